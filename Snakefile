@@ -1,0 +1,20 @@
+# eaglenest: train an EAGLE-3 drafter for a target LLM.
+# Stages: data (assets, ingest, prepare) -> extract -> consolidate.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/extract.smk"
+include: "rules/consolidate.smk"
+
+
+rule all:
+    input:
+        all_targets(),
+    default_target: True

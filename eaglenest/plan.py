@@ -1,0 +1,81 @@
+"""Planning numbers for a config, cheap enough to compute when the workflow is parsed.
+
+Nothing here imports torch or needs the model: ``snakemake -n`` on a laptop can plan
+a production run (shard count, tokens, bytes of hidden states) before anything exists.
+Token counts come from the prepare report once prepare has run, and from the config's
+``est_tokens_per_conversation`` before that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Bytes per token besides the hidden states: int32 token id + uint8 loss mask.
+TOKEN_OVERHEAD_BYTES = 5
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers in HF convention (input of decoder layer i): low, middle, high."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def layer_ids(config: dict) -> list[int]:
+    requested = config["extract"].get("layer_ids", "default")
+    num_layers = config["target"]["num_layers"]
+    ids = default_layer_ids(num_layers) if requested == "default" else list(requested)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"extract.layer_ids {bad} outside [0, {num_layers}) for a {num_layers}-layer target "
+            "(HF convention: id i is the input of decoder layer i)"
+        )
+    return ids
+
+
+def num_shards(config: dict) -> int:
+    data = config["data"]
+    return math.ceil(data["max_conversations"] / data["samples_per_shard"])
+
+
+def bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
+    return (num_aux_layers + 1) * hidden_size * STORAGE_DTYPE_BYTES[dtype] + TOKEN_OVERHEAD_BYTES
+
+
+def plan(config: dict, prepare_report: str | Path | None = None) -> dict:
+    shards = num_shards(config)
+    per_token = bytes_per_token(config["target"]["hidden_size"], len(layer_ids(config)), config["extract"]["dtype"])
+    report = Path(prepare_report) if prepare_report else None
+    if report is not None and report.exists():
+        tokens = json.loads(report.read_text())["tokens"]
+        source = "counted by prepare"
+    else:
+        data = config["data"]
+        per_conversation = min(data.get("est_tokens_per_conversation", 600), data["max_len"])
+        tokens = data["max_conversations"] * per_conversation
+        source = "estimated from est_tokens_per_conversation"
+    return {
+        "num_shards": shards,
+        "tokens": tokens,
+        "tokens_source": source,
+        "bytes_per_token": per_token,
+        "hidden_bytes": tokens * per_token,
+    }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    raise AssertionError
+
+
+def describe(config: dict, numbers: dict) -> str:
+    return (
+        f"eaglenest plan for run '{config['run']}' (target {config['target']['name']}): "
+        f"{numbers['num_shards']} shards, {numbers['tokens']:,} tokens ({numbers['tokens_source']}), "
+        f"{numbers['bytes_per_token']:,} B/token -> {human_bytes(numbers['hidden_bytes'])} of hidden states"
+    )

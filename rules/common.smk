@@ -1,0 +1,76 @@
+# Helpers and input functions for every rule; rule files hold rules only.
+import sys
+from pathlib import Path
+
+from snakemake.utils import validate
+
+from eaglenest import plan
+
+
+validate(config, schema="../config/schema.yaml")
+
+RUN_DIR = Path("results") / config["run"]
+LAYER_IDS = plan.layer_ids(config)
+NUM_SHARDS = plan.num_shards(config)
+SHARD_IDS = [f"{i:05d}" for i in range(NUM_SHARDS)]
+
+
+wildcard_constraints:
+    shard=r"\d{5}",
+
+
+def run_path(*parts):
+    return str(RUN_DIR.joinpath(*parts))
+
+
+def log_path(*parts):
+    return str(Path("logs") / config["run"] / Path(*parts))
+
+
+def benchmark_path(*parts):
+    return str(Path("benchmarks") / "jobs" / config["run"] / Path(*parts))
+
+
+def prepared_shards():
+    return expand(run_path("prepared", "shard-{shard}.safetensors"), shard=SHARD_IDS)
+
+
+def hidden_shards():
+    return expand(run_path("hidden", "shard-{shard}.safetensors"), shard=SHARD_IDS)
+
+
+def embedded_target_dir():
+    return str(Path("resources") / "models" / "SmolLM2-135M-Instruct")
+
+
+def target_model_input():
+    """The model directory as an input only when the workflow makes it.
+
+    ancient(): re-converting the same weights must not re-extract terabytes; the
+    target's identity (target.name) is a param of every content-defining rule instead.
+    """
+    if config["target"].get("embedded"):
+        return ancient(config["target"]["path"])
+    return []
+
+
+def source_inputs():
+    return [source["path"] for source in config["data"]["sources"]]
+
+
+def embedded_sources():
+    return [s for s in config["data"]["sources"] if s.get("embedded") == "sharegpt"]
+
+
+def all_targets():
+    return [
+        run_path("data", "ingest_report.json"),
+        run_path("prepared", "prepare_report.json"),
+        run_path("consolidated", "index.json"),
+        run_path("consolidated", "draft_vocab.safetensors"),
+        run_path("consolidated", "split.json"),
+    ]
+
+
+PLAN = plan.plan(config, run_path("prepared", "prepare_report.json"))
+print(plan.describe(config, PLAN), file=sys.stderr)

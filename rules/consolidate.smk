@@ -1,0 +1,31 @@
+# Verify every shard, index them, build the draft vocabulary and the train/val split.
+
+
+rule consolidate:
+    input:
+        hidden=hidden_shards(),
+        prepared=prepared_shards(),
+    output:
+        index=report(
+            run_path("consolidated", "index.json"),
+            caption="../report/consolidate.rst",
+            category="Hidden states",
+        ),
+        draft_vocab=run_path("consolidated", "draft_vocab.safetensors"),
+        split=run_path("consolidated", "split.json"),
+    log:
+        log_path("consolidate.log"),
+    benchmark:
+        benchmark_path("consolidate.tsv")
+    params:
+        target_name=config["target"]["name"],
+        target_vocab_size=config["target"]["vocab_size"],
+        layer_ids=LAYER_IDS,
+        dtype=config["extract"]["dtype"],
+        draft_vocab_size=config["consolidate"]["draft_vocab_size"],
+        val_fraction=config["consolidate"]["val_fraction"],
+        seed=config["consolidate"]["seed"],
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/consolidate.py"

