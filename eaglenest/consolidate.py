@@ -52,6 +52,8 @@ def consolidate(
             if reader.sample_ids != prepared.sample_ids or reader.token_counts != prepared.token_counts:
                 raise shards.ShardError(hidden_path, f"samples differ from {prepared_path} (stale shard)")
             tensors = reader.tensors(["input_ids", "loss_mask"])
+            if not torch.equal(tensors["input_ids"], prepared.tensor("input_ids")):
+                raise shards.ShardError(hidden_path, f"token ids differ from {prepared_path} (stale shard)")
         except shards.ShardError as err:
             bad.append(err)
             continue

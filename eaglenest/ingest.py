@@ -207,6 +207,9 @@ def ingest(
     seen_ids: set[str] = set()
     seen_content: set[str] = set()
     lines: list[str] = []
+    missing = [source["path"] for source in sources if not Path(source["path"]).is_file()]
+    if missing:
+        raise FileNotFoundError(f"conversation source(s) not found: {', '.join(missing)}")
     for source in sources:
         path = Path(source["path"])
         note: dict = {"name": source["name"], "path": str(path), "records": 0}

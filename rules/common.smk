@@ -55,15 +55,35 @@ def target_model_input():
 
 
 def source_inputs():
-    return [source["path"] for source in config["data"]["sources"]]
+    """Source files as inputs. A source the user brings and has not put in place yet is
+    left out so that `snakemake -n` can still plan the run; ingest then names it."""
+    return [
+        source["path"]
+        for source in config["data"]["sources"]
+        if source.get("embedded") or Path(source["path"]).exists()
+    ]
 
 
 def embedded_sources():
     return [s for s in config["data"]["sources"] if s.get("embedded") == "sharegpt"]
 
 
+def sample_selection():
+    """Every setting that decides which samples (and tokens) land in which shard."""
+    data = config["data"]
+    return {
+        "sources": [[s["name"], s["path"]] for s in data["sources"]],
+        "max_conversations": data["max_conversations"],
+        "samples_per_shard": data["samples_per_shard"],
+        "leading_assistant": data["leading_assistant"],
+        "max_len": data["max_len"],
+    }
+
+
 def all_targets():
-    return [
+    # Hidden shards are targets themselves: a deleted or lost shard is rebuilt alone
+    # even when everything downstream of it still exists.
+    return hidden_shards() + [
         run_path("data", "ingest_report.json"),
         run_path("prepared", "prepare_report.json"),
         run_path("consolidated", "index.json"),
