@@ -6,7 +6,6 @@ from snakemake.utils import validate
 
 from eaglenest import plan
 
-
 validate(config, schema="../config/schema.yaml")
 
 RUN_DIR = Path("results") / config["run"]

@@ -17,6 +17,8 @@ rule consolidate:
         log_path("consolidate.log"),
     benchmark:
         benchmark_path("consolidate.tsv")
+    conda:
+        "../envs/eaglenest.yaml"
     params:
         target_name=config["target"]["name"],
         target_vocab_size=config["target"]["vocab_size"],
@@ -25,7 +27,5 @@ rule consolidate:
         draft_vocab_size=config["consolidate"]["draft_vocab_size"],
         val_fraction=config["consolidate"]["val_fraction"],
         seed=config["consolidate"]["seed"],
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/consolidate.py"

