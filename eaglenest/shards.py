@@ -12,8 +12,10 @@ Two kinds of shard, both single safetensors files written atomically:
     last_hidden [T, H]    the target's final post-norm hidden state
     (dtype from the ``dtype`` header, bfloat16 by default)
 
-Header metadata (safetensors ``__metadata__``, all strings; lists and dicts are JSON):
-format="eaglenest-shard", format_version, kind, shard_id, sample_ids, token_counts,
+Header metadata: one safetensors ``__metadata__`` entry, ``"eaglenest"``, holding a JSON
+object with sorted keys (one entry, because safetensors writes several in a random order
+and shard files must be bitwise reproducible): format="eaglenest-shard", format_version,
+kind, shard_id, sample_ids, token_counts,
 checksums (sha256 of each tensor's raw bytes), and for hidden shards target,
 target_hidden_size, layer_ids, dtype. Layer ids are in HF convention:
 hidden_states[i] of a transformers forward is the input of decoder layer i.
@@ -71,8 +73,11 @@ def _tensor_sha256(tensor: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(raw)).hexdigest()
 
 
+METADATA_KEY = "eaglenest"
+
+
 def _encode_metadata(meta: Mapping) -> dict[str, str]:
-    return {key: value if isinstance(value, str) else json.dumps(value) for key, value in meta.items()}
+    return {METADATA_KEY: json.dumps(dict(meta), sort_keys=True, separators=(",", ":"))}
 
 
 def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: Mapping) -> None:
@@ -154,14 +159,12 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ShardError(path, "header is not valid JSON") from None
     raw_meta = header.pop("__metadata__", None) or {}
-    if raw_meta.get("format") != FORMAT:
+    try:
+        meta = json.loads(raw_meta[METADATA_KEY])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise ShardError(path, "not an eaglenest shard (no eaglenest metadata)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ShardError(path, "not an eaglenest shard (format key missing)")
-    meta = {}
-    for key, value in raw_meta.items():
-        try:
-            meta[key] = json.loads(value)
-        except json.JSONDecodeError:
-            meta[key] = value
     data_len = max((info["data_offsets"][1] for info in header.values()), default=0)
     if 8 + header_len + data_len != size:
         raise ShardError(path, f"size {size} != header + data {8 + header_len + data_len} (truncated or padded)")

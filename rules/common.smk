@@ -1,4 +1,6 @@
 # Helpers and input functions for every rule; rule files hold rules only.
+import hashlib
+import json
 import sys
 from pathlib import Path
 
@@ -30,8 +32,25 @@ def benchmark_path(*parts):
     return str(Path("benchmarks") / "jobs" / config["run"] / Path(*parts))
 
 
+def prepared_key():
+    """Short hash of everything that decides what prepare writes (sample selection, target).
+
+    Prepared shards live under prepared/<key>/: a change of these settings makes new
+    paths, so the extraction of every shard is planned again, while a prepare job that
+    reruns without a content change (a touched source, a deleted prepared shard) rewrites
+    the same paths, which extraction reads as ancient() and so ignores.
+    """
+    settings = dict(sample_selection(), target=config["target"]["name"])
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def prepared_path(*parts):
+    return run_path("prepared", prepared_key(), *parts)
+
+
 def prepared_shards():
-    return expand(run_path("prepared", "shard-{shard}.safetensors"), shard=SHARD_IDS)
+    return expand(prepared_path("shard-{shard}.safetensors"), shard=SHARD_IDS)
 
 
 def hidden_shards():
@@ -68,10 +87,13 @@ def embedded_sources():
 
 
 def sample_selection():
-    """Every setting that decides which samples (and tokens) land in which shard."""
+    """Every setting that decides which samples (and tokens) land in which shard.
+
+    Source names, not paths: moving the data to another disk changes no shard.
+    """
     data = config["data"]
     return {
-        "sources": [[s["name"], s["path"]] for s in data["sources"]],
+        "sources": [s["name"] for s in data["sources"]],
         "max_conversations": data["max_conversations"],
         "samples_per_shard": data["samples_per_shard"],
         "leading_assistant": data["leading_assistant"],
@@ -84,12 +106,12 @@ def all_targets():
     # even when everything downstream of it still exists.
     return hidden_shards() + [
         run_path("data", "ingest_report.json"),
-        run_path("prepared", "prepare_report.json"),
+        prepared_path("prepare_report.json"),
         run_path("consolidated", "index.json"),
         run_path("consolidated", "draft_vocab.safetensors"),
         run_path("consolidated", "split.json"),
     ]
 
 
-PLAN = plan.plan(config, run_path("prepared", "prepare_report.json"))
+PLAN = plan.plan(config, prepared_path("prepare_report.json"))
 print(plan.describe(config, PLAN), file=sys.stderr)

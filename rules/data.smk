@@ -71,7 +71,7 @@ rule prepare:
     output:
         shards=prepared_shards(),
         report=report(
-            run_path("prepared", "prepare_report.json"),
+            prepared_path("prepare_report.json"),
             caption="../report/prepare.rst",
             category="Data",
         ),

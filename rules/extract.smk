@@ -1,15 +1,16 @@
 # Per-shard hidden-state extraction: one job, one shard file.
-# params hold exactly what defines a shard's content (target, layers, dtype and the
-# settings that decide which samples a shard holds); knobs that only change speed
-# (device, batch size, preflight) are read from the config by the script, so changing
-# them never schedules re-extraction. The prepared shard is ancient(): prepare rewrites
-# all its shards whenever it runs, and identical rewrites must not cost GPU days;
-# consolidate cross-checks every hidden shard against its prepared shard instead.
+# What defines a shard's content: its samples (the prepared shard, whose directory is
+# keyed by the settings that choose them, see prepared_key()), the target, the layers
+# and the storage dtype (params). Knobs that only change speed (device, batch size,
+# preflight) are read from the config by the script, so changing them never schedules
+# re-extraction. The prepared shard is ancient(): prepare rewrites all its shards
+# whenever it runs, and identical rewrites must not cost GPU days; consolidate
+# cross-checks every hidden shard against its prepared shard as a safety net.
 
 
 rule extract_hidden_states:
     input:
-        prepared=ancient(run_path("prepared", "shard-{shard}.safetensors")),
+        prepared=ancient(prepared_path("shard-{shard}.safetensors")),
         target=target_model_input(),
     output:
         run_path("hidden", "shard-{shard}.safetensors"),
@@ -26,6 +27,5 @@ rule extract_hidden_states:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
-        samples=sample_selection(),
     script:
         "../scripts/extract_shard.py"

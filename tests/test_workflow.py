@@ -1,0 +1,174 @@
+"""The real Snakefile on a tiny random-weight target: planning, reruns, crashes, corruption."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from eaglenest import atomic
+
+SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
+
+
+def hidden_dir(workdir: Path) -> Path:
+    return workdir / "results" / "tiny" / "hidden"
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(directory.glob("shard-*.safetensors"))}
+
+
+def new_workdir(tmp_path_factory, tiny_llama, name: str, **sections) -> tuple[Path, Path]:
+    workdir = tmp_path_factory.mktemp(name)
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
+    return workdir, tiny_workflow_config(workdir, tiny_llama, conversations, **sections)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_llama):
+    workdir, config = new_workdir(tmp_path_factory, tiny_llama, "reference")
+    run_snakemake(workdir, config)
+    return workdir, config
+
+
+def test_finished_run_has_every_shard_and_plans_nothing(finished_run):
+    workdir, config = finished_run
+    assert sorted(p.name for p in hidden_dir(workdir).iterdir()) == SHARDS
+    assert planned_jobs(workdir, config) == {}
+
+
+def test_cosmetic_changes_plan_no_extraction(finished_run, tmp_path):
+    workdir, config = finished_run
+    script = REPO / "scripts" / "extract_shard.py"
+    stat = script.stat()
+    settings = yaml.safe_load(config.read_text())
+    settings["extract"].update(tokens_per_batch=77, device="cpu", preflight=False, threads=2, disk_reserve_mb=5)
+    cosmetic = tmp_path / "cosmetic.yaml"
+    cosmetic.write_text(yaml.safe_dump(settings))
+    try:
+        # A newer adapter script (the `code` rerun trigger) and speed-only settings.
+        os.utime(script, (stat.st_atime, time.time() + 60))
+        assert planned_jobs(workdir, cosmetic) == {}
+    finally:
+        os.utime(script, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    settings["consolidate"]["draft_vocab_size"] = 32
+    later_stage = tmp_path / "later.yaml"
+    later_stage.write_text(yaml.safe_dump(settings))
+    assert planned_jobs(workdir, later_stage) == {"consolidate": 1, "all": 1}
+
+
+def test_content_changes_plan_every_shard_again(finished_run, tmp_path):
+    workdir, config = finished_run
+    for section, key, value in [("extract", "dtype", "float16"), ("extract", "layer_ids", [1, 2, 3]), ("data", "max_len", 200)]:
+        settings = yaml.safe_load(config.read_text())
+        settings[section][key] = value
+        changed = tmp_path / f"{key}.yaml"
+        changed.write_text(yaml.safe_dump(settings))
+        assert planned_jobs(workdir, changed).get("extract_hidden_states") == 4, key
+
+
+def test_deleting_one_shard_plans_exactly_that_shard_and_its_dependents(tmp_path_factory, tiny_llama, finished_run):
+    workdir, config = finished_run  # the config's sources stay where they are
+    copy = tmp_path_factory.mktemp("deleted") / "w"
+    shutil.copytree(workdir, copy, symlinks=True)
+    (hidden_dir(copy) / SHARDS[2]).unlink()
+    assert planned_jobs(copy, config) == {"extract_hidden_states": 1, "consolidate": 1, "all": 1}
+
+
+def test_corrupt_shard_is_detected_and_only_it_is_rebuilt(tmp_path_factory, tiny_llama, finished_run):
+    reference_dir, config = finished_run
+    workdir = tmp_path_factory.mktemp("corrupt") / "w"
+    shutil.copytree(reference_dir, workdir, symlinks=True)
+    victim = hidden_dir(workdir) / SHARDS[1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    failed = run_snakemake(workdir, config, check=False)
+    assert failed.returncode != 0
+    log = (workdir / "logs" / "tiny" / "consolidate.log").read_text()
+    assert f"{victim.relative_to(workdir)}: checksum mismatch" in log
+    assert f"rm {victim.relative_to(workdir)}" in log
+    before = snapshot(hidden_dir(workdir))
+    victim.unlink()
+    assert planned_jobs(workdir, config) == {"extract_hidden_states": 1, "consolidate": 1, "all": 1}
+    run_snakemake(workdir, config)
+    after = snapshot(hidden_dir(workdir))
+    for name in SHARDS:
+        if name != SHARDS[1]:
+            assert after[name] == before[name], name
+    assert after[SHARDS[1]][2] == (hidden_dir(reference_dir) / SHARDS[1]).read_bytes()
+
+
+def wait_for(predicate, timeout, interval=0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_path_factory, tiny_llama, finished_run):
+    reference_dir, _ = finished_run
+    workdir, config = new_workdir(tmp_path_factory, tiny_llama, "killed")
+    shards_dir = hidden_dir(workdir)
+    process = subprocess.Popen(
+        snakemake_command(workdir, config, "--cores", "1"),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        # Kill once the first shard is done and the next extraction job has started.
+        started = wait_for(
+            lambda: len(list(shards_dir.glob("shard-*.safetensors"))) >= 1
+            and len(list((workdir / "logs" / "tiny" / "extract").glob("*.log"))) >= 2,
+            timeout=240,
+        )
+        assert started, "extraction never got going"
+        os.killpg(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    survivors = snapshot(shards_dir)
+    assert 1 <= len(survivors) < 4
+    # The user's way back: run again; unlock only if snakemake says the directory is locked.
+    rerun = run_snakemake(workdir, config, check=False)
+    if rerun.returncode != 0 and "--unlock" in rerun.stderr + rerun.stdout:
+        run_snakemake(workdir, config, "--unlock")
+        rerun = run_snakemake(workdir, config, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    after = snapshot(shards_dir)
+    for name, state in survivors.items():
+        assert after[name] == state, f"{name} was rebuilt although it survived the crash"
+    assert sorted(after) == SHARDS
+    for name in SHARDS:
+        assert after[name][2] == (hidden_dir(reference_dir) / name).read_bytes(), f"{name} differs from the uninterrupted run"
+    assert list(workdir.glob(f"results/**/*{atomic.TMP_MARKER}*")) == []
+    assert planned_jobs(workdir, config) == {}
+
+
+def test_bad_config_key_and_value_fail_with_a_clear_message(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "c.jsonl", 4)
+    config = tiny_workflow_config(tmp_path, tiny_llama, conversations, extract={"dtype": "int8"})
+    result = run_snakemake(tmp_path, config, "-n", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "'int8' is not one of" in output and "['extract']['dtype']" in output
+    settings = yaml.safe_load(config.read_text())
+    settings["extract"]["dtype"] = "bfloat16"
+    settings["extract"]["tokens_per_batchh"] = 4
+    config.write_text(yaml.safe_dump(settings))
+    result = run_snakemake(tmp_path, config, "-n", check=False)
+    assert result.returncode != 0 and "'tokens_per_batchh' was unexpected" in result.stdout + result.stderr
+
+
+def test_production_config_plans_the_whole_job_without_the_model(tmp_path):
+    result = run_snakemake(tmp_path, REPO / "config" / "kimi-k2.5.yaml", "-n", "--quiet", "rules")
+    assert "240 shards" in result.stderr and "57,349 B/token" in result.stderr and "TB of hidden states" in result.stderr
+    counts = planned_jobs(tmp_path, REPO / "config" / "kimi-k2.5.yaml")
+    assert counts["extract_hidden_states"] == 240 and counts["consolidate"] == 1
