@@ -12,6 +12,8 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/extract.smk"
 include: "rules/consolidate.smk"
+include: "rules/train.smk"
+include: "rules/export.smk"
 
 
 rule all:

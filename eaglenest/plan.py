@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 # Bytes per token besides the hidden states: int32 token id + uint8 loss mask.
 TOKEN_OVERHEAD_BYTES = 5
 
@@ -41,7 +41,9 @@ def num_shards(config: dict) -> int:
 
 
 def bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
-    return (num_aux_layers + 1) * hidden_size * STORAGE_DTYPE_BYTES[dtype] + TOKEN_OVERHEAD_BYTES
+    # fp8 shards also store one float32 scale per token and layer (eaglenest.shards).
+    scales = (num_aux_layers + 1) * 4 if dtype == "float8_e4m3" else 0
+    return (num_aux_layers + 1) * hidden_size * STORAGE_DTYPE_BYTES[dtype] + scales + TOKEN_OVERHEAD_BYTES
 
 
 def plan(config: dict, prepare_report: str | Path | None = None) -> dict:

@@ -12,6 +12,13 @@ Two kinds of shard, both single safetensors files written atomically:
     last_hidden [T, H]    the target's final post-norm hidden state
     (dtype from the ``dtype`` header, bfloat16 by default)
 
+    With ``dtype: float8_e4m3`` (opt-in, half the bytes) the two are stored as e4m3 with
+    one float32 scale per row and layer, value = e4m3 * scale (see :func:`quantize_rows`):
+    aux_hidden_scale  float32 [T, A]
+    last_hidden_scale float32 [T, 1]
+    Readers call :func:`dequantize` (or :meth:`ShardReader.hidden_tensors`) and never
+    see the difference.
+
 Header metadata: one safetensors ``__metadata__`` entry, ``"eaglenest"``, holding a JSON
 object with sorted keys (one entry, because safetensors writes several in a random order
 and shard files must be bitwise reproducible): format="eaglenest-shard", format_version,
@@ -42,8 +49,21 @@ FORMAT = "eaglenest-shard"
 FORMAT_VERSION = 1
 PREPARED_TENSORS = ("input_ids", "loss_mask", "offsets")
 HIDDEN_TENSORS = PREPARED_TENSORS + ("aux_hidden", "last_hidden")
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1}
+STORAGE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3": torch.float8_e4m3fn,
+}
+FP8_DTYPE = "float8_e4m3"
+# Largest finite e4m3fn value: a row's absolute maximum maps to it.
+FP8_MAX = 448.0
+SCALE_TENSORS = {"aux_hidden": "aux_hidden_scale", "last_hidden": "last_hidden_scale"}
+SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
+SAFETENSORS_DTYPE_NAMES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
+    torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+}
 # Bytes per token besides the hidden states: int32 id + uint8 mask.
 TOKEN_OVERHEAD_BYTES = 5
 HASH_CHUNK = 16 << 20
@@ -63,9 +83,47 @@ def shard_name(shard_id: int) -> str:
 
 
 def hidden_bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
-    """Bytes one token costs in a hidden shard (aux + last hidden state, ids, mask)."""
+    """Bytes one token costs in a hidden shard (aux + last hidden state, scales, ids, mask)."""
     element = torch.empty((), dtype=STORAGE_DTYPES[dtype]).element_size()
-    return (num_aux_layers + 1) * hidden_size * element + TOKEN_OVERHEAD_BYTES
+    scales = (num_aux_layers + 1) * 4 if dtype == FP8_DTYPE else 0
+    return (num_aux_layers + 1) * hidden_size * element + scales + TOKEN_OVERHEAD_BYTES
+
+
+def quantize_rows(rows: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, G*H] -> (e4m3 [T, G*H], float32 scales [T, G]): one scale per row and group.
+
+    A group is one layer's hidden state: layers differ in magnitude by orders, so a
+    shared scale would crush the small ones. Works on any device; all arithmetic is
+    float32, so a rerun on the same device gives the same bytes.
+    """
+    tokens, width = rows.shape
+    grouped = rows.reshape(tokens, groups, width // groups).float()
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    # An all-zero row keeps scale 1 (any value decodes to 0); never divide by zero.
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (grouped / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(tokens, width), scale.reshape(tokens, groups)
+
+
+def dequantize_rows(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of :func:`quantize_rows`: e4m3 * scale, in ``dtype``."""
+    tokens, width = quantized.shape
+    groups = scale.shape[-1]
+    values = quantized.reshape(tokens, groups, width // groups).float() * scale.float().reshape(tokens, groups, 1)
+    return values.reshape(tokens, width).to(dtype)
+
+
+def dequantize(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Tensors of (rows of) a hidden shard with aux/last hidden as plain floating point.
+
+    A no-op for bf16/fp16/fp32 shards; for fp8 shards it folds the scales in and drops
+    them. Every reader of hidden states goes through this (or ShardReader.hidden_tensors).
+    """
+    out = dict(tensors)
+    for name, scale_name in SCALE_TENSORS.items():
+        if scale_name in out:
+            out[name] = dequantize_rows(out[name], out.pop(scale_name), dtype)
+    return out
 
 
 def _tensor_sha256(tensor: torch.Tensor) -> str:
@@ -124,21 +182,204 @@ def write_prepared_shard(
     _write(path, tensors, header)
 
 
+def _hidden_header(prepared: "ShardReader", meta: Mapping) -> dict:
+    header = {k: v for k, v in prepared.metadata.items() if k not in ("kind", "checksums", "format", "format_version")}
+    header.update(meta)
+    header["kind"] = "hidden"
+    return header
+
+
 def write_hidden_shard(
     path: str | os.PathLike,
     prepared: "ShardReader",
     aux_hidden: torch.Tensor,
     last_hidden: torch.Tensor,
     meta: Mapping,
+    aux_hidden_scale: torch.Tensor | None = None,
+    last_hidden_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write the hidden shard for ``prepared``: its ids/mask/offsets plus the captured states."""
-    header = {k: v for k, v in prepared.metadata.items() if k not in ("kind", "checksums", "format", "format_version")}
-    header.update(meta)
-    header["kind"] = "hidden"
+    """Write the hidden shard for ``prepared``: its ids/mask/offsets plus the captured states.
+
+    fp8 shards (``meta["dtype"] == "float8_e4m3"``) pass e4m3 tensors and their scales.
+    """
+    header = _hidden_header(prepared, meta)
     tensors = {name: prepared.tensor(name) for name in PREPARED_TENSORS}
     tensors["aux_hidden"] = aux_hidden
     tensors["last_hidden"] = last_hidden
+    if (header.get("dtype") == FP8_DTYPE) != (aux_hidden_scale is not None and last_hidden_scale is not None):
+        raise ValueError("scales go with dtype float8_e4m3, and only with it")
+    if aux_hidden_scale is not None:
+        tensors["aux_hidden_scale"] = aux_hidden_scale
+        tensors["last_hidden_scale"] = last_hidden_scale
     _write(path, tensors, header)
+
+
+def _data_order(dtypes: Mapping[str, torch.dtype]) -> list[str]:
+    """The order in which safetensors lays tensors out, asked of safetensors itself.
+
+    It sorts by dtype, then name, independent of shapes: one-element stand-ins show it.
+    """
+    from safetensors.torch import save
+
+    raw = save({name: torch.zeros(1, dtype=dtype) for name, dtype in dtypes.items()})
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    header.pop("__metadata__", None)
+    return sorted(header, key=lambda name: header[name]["data_offsets"][0])
+
+
+class HiddenShardWriter:
+    """Write a hidden shard while its rows are still being computed (the fast extract path).
+
+    The file is byte-identical to :func:`write_hidden_shard` for the same tensors (a test
+    holds this): the layout is safetensors', the header is written last, once the per-tensor
+    sha256 sums are known (they have a fixed length, so the header's size is known from the
+    start). Rows must arrive in token order. Disk writes and each tensor's hashing run on
+    their own threads, so a write never waits for a hash and neither waits for the caller;
+    :meth:`append_rows` returns futures that complete when the caller's buffers may be
+    reused. Written to a temp name and published atomically by :meth:`close`.
+    """
+
+    def __init__(self, path, prepared: "ShardReader", meta: Mapping):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.path = Path(path)
+        self.header = _hidden_header(prepared, meta)
+        hidden = self.header["target_hidden_size"]
+        aux_groups = len(self.header["layer_ids"])
+        total = prepared.num_tokens
+        storage = STORAGE_DTYPES[self.header["dtype"]]
+        prepared_tensors = {name: prepared.tensor(name).contiguous() for name in PREPARED_TENSORS}
+        specs = {name: (t.dtype, list(t.shape)) for name, t in prepared_tensors.items()}
+        specs["aux_hidden"] = (storage, [total, aux_groups * hidden])
+        specs["last_hidden"] = (storage, [total, hidden])
+        self.row_tensors = ["aux_hidden", "last_hidden"]
+        if self.header["dtype"] == FP8_DTYPE:
+            specs["aux_hidden_scale"] = (torch.float32, [total, aux_groups])
+            specs["last_hidden_scale"] = (torch.float32, [total, 1])
+            self.row_tensors += ["aux_hidden_scale", "last_hidden_scale"]
+        self.infos, start = {}, 0
+        for name in _data_order({name: spec[0] for name, spec in specs.items()}):
+            dtype, shape = specs[name]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.infos[name] = {"dtype": SAFETENSORS_DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [start, start + nbytes]}
+            start += nbytes
+        self.row_bytes = {name: self.infos[name]["data_offsets"][1] - self.infos[name]["data_offsets"][0] for name in self.row_tensors}
+        self.rows_written = 0
+        self.total_rows = total
+        self._digests = {name: hashlib.sha256() for name in specs}
+        self._header_len = len(self._header_bytes())
+        self._atomic = atomic.atomic_path(self.path)
+        tmp = self._atomic.__enter__()
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._disk = ThreadPoolExecutor(1, thread_name_prefix="shard-disk")
+        self._hashers = {name: ThreadPoolExecutor(1, thread_name_prefix=f"shard-hash-{name}") for name in specs}
+        self._pending = []
+        self._finished = False
+        try:
+            os.pwrite(self._fd, b"\0" * (8 + self._header_len), 0)
+            for name, tensor in prepared_tensors.items():
+                self._submit(name, tensor, 0)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+
+    def _header_bytes(self) -> bytes:
+        header = dict(self.header)
+        header.update(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            checksums={name: digest.hexdigest() for name, digest in self._digests.items()},
+        )
+        # safetensors' own encoding: metadata first, then tensors in data order, no spaces,
+        # padded with spaces to a multiple of 8 bytes.
+        body = {"__metadata__": _encode_metadata(header)}
+        body.update(self.infos)
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+        return text + b" " * (-len(text) % 8)
+
+    def _submit(self, name: str, tensor: torch.Tensor, first_byte: int, ready=None) -> list:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        offset = 8 + self._header_len + self.infos[name]["data_offsets"][0] + first_byte
+
+        def write():
+            if ready is not None:
+                ready()
+            view = memoryview(raw)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+
+        def digest():
+            if ready is not None:
+                ready()
+            self._digests[name].update(memoryview(raw))
+
+        futures = [self._disk.submit(write), self._hashers[name].submit(digest)]
+        self._pending.extend(futures)
+        return futures
+
+    def append_rows(self, rows: Mapping[str, torch.Tensor], ready=None) -> list:
+        """Queue the next rows (CPU tensors: aux_hidden, last_hidden [+ their scales]).
+
+        ``ready``, if given, is called on the writer threads before the bytes are read
+        (e.g. to wait for an asynchronous device-to-host copy into ``rows``).
+        """
+        self._raise_failures()
+        count = rows["aux_hidden"].shape[0]
+        if self.rows_written + count > self.total_rows:
+            raise ValueError(f"{self.path}: more rows than the shard's {self.total_rows} tokens")
+        futures = []
+        for name in self.row_tensors:
+            per_row = self.row_bytes[name] // self.total_rows
+            futures += self._submit(name, rows[name], self.rows_written * per_row, ready)
+        self.rows_written += count
+        return futures
+
+    def _raise_failures(self) -> None:
+        still_running = []
+        for future in self._pending:
+            if not future.done():
+                still_running.append(future)
+            elif future.exception() is not None:
+                raise future.exception()
+        self._pending = still_running
+
+    def _shutdown(self) -> None:
+        self._disk.shutdown(wait=True)
+        for hasher in self._hashers.values():
+            hasher.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Wait for all writes, write the header, fsync and publish the file."""
+        try:
+            self._shutdown()
+            self._raise_failures()
+            if self.rows_written != self.total_rows:
+                raise ValueError(f"{self.path}: {self.rows_written} rows written, the shard has {self.total_rows}")
+            header = self._header_bytes()
+            if len(header) != self._header_len:
+                raise AssertionError("shard header changed size while streaming")
+            os.pwrite(self._fd, struct.pack("<Q", len(header)) + header, 0)
+            os.close(self._fd)
+            self._fd = None
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        self._finished = True
+        self._atomic.__exit__(None, None, None)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Remove the partial file. An ENOSPC ``exc`` comes back as atomic.DiskFullError."""
+        if self._finished:
+            return
+        self._finished = True
+        self._shutdown()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        error = exc if exc is not None else RuntimeError("shard write aborted")
+        self._atomic.__exit__(type(error), error, error.__traceback__)
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
@@ -210,6 +451,14 @@ class ShardReader:
         with safe_open(self.path, framework="pt") as handle:
             return {name: handle.get_tensor(name) for name in (names or handle.keys())}
 
+    def hidden_tensors(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+        """Rows [start, stop) of aux_hidden and last_hidden as floating point, whatever the storage dtype."""
+        names = [n for n in ("aux_hidden", "last_hidden", *SCALE_TENSORS.values()) if n in self.infos]
+        with safe_open(self.path, framework="pt") as handle:
+            rows = {name: handle.get_slice(name)[start:stop] for name in names}
+        out = dequantize(rows, dtype)
+        return {name: out[name].to(dtype) for name in ("aux_hidden", "last_hidden")}
+
 
 def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | None = None) -> ShardReader:
     """Check a shard and return a reader, or raise ShardError saying what is wrong.
@@ -223,6 +472,8 @@ def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | N
     if meta.get("format_version") != FORMAT_VERSION:
         raise ShardError(path, f"format_version {meta.get('format_version')} != {FORMAT_VERSION}")
     names = HIDDEN_TENSORS if meta.get("kind") == "hidden" else PREPARED_TENSORS
+    if meta.get("kind") == "hidden" and meta.get("dtype") == FP8_DTYPE:
+        names = names + tuple(SCALE_TENSORS.values())
     missing = [name for name in names if name not in infos]
     if missing:
         raise ShardError(path, f"missing tensors {missing}")
@@ -238,6 +489,9 @@ def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | N
         hidden = meta["target_hidden_size"]
         shapes["aux_hidden"] = [total, len(meta["layer_ids"]) * hidden]
         shapes["last_hidden"] = [total, hidden]
+        if meta.get("dtype") == FP8_DTYPE:
+            shapes["aux_hidden_scale"] = [total, len(meta["layer_ids"])]
+            shapes["last_hidden_scale"] = [total, 1]
     for name, shape in shapes.items():
         info = infos[name]
         if info["shape"] != shape:
@@ -265,7 +519,8 @@ def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | N
     tensors = reader.tensors()
     if tensors["offsets"].tolist() != _offsets(counts).tolist():
         raise ShardError(path, "offsets do not match token_counts")
-    for name in ("aux_hidden", "last_hidden"):
-        if name in tensors and not bool(torch.isfinite(tensors[name]).all()):
+    for name in ("aux_hidden", "last_hidden", *SCALE_TENSORS.values()):
+        # e4m3fn has no infinity, only NaN; a float view finds both kinds of damage.
+        if name in tensors and not bool(torch.isfinite(tensors[name].float() if tensors[name].dtype == torch.float8_e4m3fn else tensors[name]).all()):
             raise ShardError(path, f"{name} has non-finite values")
     return reader

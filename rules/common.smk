@@ -101,6 +101,14 @@ def sample_selection():
     }
 
 
+# Training settings that decide the drafter's weights (eaglenest.train.CONTENT_KEYS): a
+# change reruns training; the other train keys only change speed or bookkeeping.
+TRAIN_CONTENT_KEYS = [
+    "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
+    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
+]
+
+
 def all_targets():
     # Hidden shards are targets themselves: a deleted or lost shard is rebuilt alone
     # even when everything downstream of it still exists.
@@ -110,6 +118,8 @@ def all_targets():
         run_path("consolidated", "index.json"),
         run_path("consolidated", "draft_vocab.safetensors"),
         run_path("consolidated", "split.json"),
+        run_path("train", "drafter"),
+        run_path("train", "training_summary.json"),
     ]
 
 

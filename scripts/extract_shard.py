@@ -2,26 +2,55 @@
 
 Content-defining values come from params; speed knobs from the config.
 """
+import logging
+import os
+
 import torch
 
-from eaglenest import extract, joblog
+from eaglenest import extract, joblog, sglang_client
 
 stream = joblog.to_file(snakemake.log[0])
-settings = snakemake.config["extract"]
-if settings["backend"] != "transformers":
-    raise SystemExit(f"extract.backend={settings['backend']!r} is not available in this release (see README)")
-torch.set_num_threads(snakemake.threads)
-extract.extract_shard(
-    snakemake.input.prepared,
-    snakemake.output[0],
-    target_path=snakemake.config["target"]["path"],
-    target_name=snakemake.params.target_name,
-    layer_ids=snakemake.params.layer_ids,
-    dtype=snakemake.params.dtype,
-    device=settings["device"],
-    tokens_per_batch=settings["tokens_per_batch"],
-    check_disk=settings["preflight"],
-    disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
-    expected_shape=(snakemake.config["target"]["num_layers"], snakemake.config["target"]["hidden_size"]),
-    log_stream=stream,
+# Which GPUs this job was handed (by Slurm or the local slot pool) belongs in its log.
+logging.getLogger("eaglenest.extract").info(
+    "CUDA_VISIBLE_DEVICES=%s SLURM_JOB_ID=%s", os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_JOB_ID")
 )
+settings = snakemake.config["extract"]
+target = snakemake.config["target"]
+if settings["backend"] == "sglang":
+    # A client of the patched SGLang server (docs/sglang.md); same shard contract.
+    server = settings["sglang"]
+    sglang_client.extract_shard_via_server(
+        snakemake.input.prepared,
+        snakemake.output[0],
+        url=server["url"],
+        target_name=snakemake.params.target_name,
+        layer_ids=snakemake.params.layer_ids,
+        hidden_size=target["hidden_size"],
+        num_layers=target["num_layers"],
+        dtype=snakemake.params.dtype,
+        spool_dir=server["spool_dir"],
+        concurrency=server["concurrency"],
+        request_timeout_s=server["request_timeout_s"],
+        retries=server["retries"],
+        backoff_s=server["backoff_s"],
+        max_consecutive_failures=server["max_consecutive_failures"],
+        check_disk=settings["preflight"],
+        disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
+        log_stream=stream,
+    )
+else:
+    torch.set_num_threads(snakemake.threads)
+    extract.extract_shard(
+        snakemake.input.prepared,
+        snakemake.output[0],
+        target_path=snakemake.config["target"]["path"],
+        target_name=snakemake.params.target_name,
+        layer_ids=snakemake.params.layer_ids,
+        dtype=snakemake.params.dtype,
+        device=settings["device"],
+        tokens_per_batch=settings["tokens_per_batch"],
+        check_disk=settings["preflight"],
+        disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
+        expected_shape=(snakemake.config["target"]["num_layers"], snakemake.config["target"]["hidden_size"]),
+        log_stream=stream,
+    )

@@ -1,0 +1,167 @@
+"""A real HTTP server that answers like the patched SGLang server, computed with transformers.
+
+For machines without a GPU (a laptop, CI) and for the tests: it serves
+``GET /eaglenest/info``, ``GET /health`` and ``POST /generate`` exactly as a server
+started by eaglenest.sglang_launch does — same request fields, same
+``meta_info["eaglenest_spool"]`` descriptor, same spool files, written by the same
+function (eaglenest.sglang_patch.spool_prefill_rows) — but runs the target with
+transformers (eaglenest.extract.capture_hidden_states, one sample per request), so its
+tensors equal the transformers backend's.
+
+Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
+on request N+1 (a server dying mid-shard), ``--delay-s`` answers slowly, ``--drop-rows``
+spools fewer rows than the prompt has (a shape mismatch), ``--impersonate vllm`` answers
+like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the patch.
+
+    python -m eaglenest.standin_server --model DIR --target NAME --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from eaglenest import sglang_patch
+
+
+class StandinModel:
+    """The target and the settings the patched server would have been launched with."""
+
+    def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str):
+        import torch
+
+        from eaglenest import extract
+
+        self.model = extract.load_target(model_path, "cpu", "float32")
+        self.torch = torch
+        self.extract = extract
+        num_layers = self.model.config.num_hidden_layers
+        self.layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+        self.lock = threading.Lock()
+        architecture = (self.model.config.architectures or [type(self.model).__name__])[0]
+        self.settings = {
+            "spool_dir": spool_dir,
+            "target": target,
+            "model_path": str(model_path),
+            "architecture": architecture,
+            "hidden_size": self.model.config.hidden_size,
+            "layer_ids": self.layer_ids,
+            "sglang_layer_ids": self.layer_ids,
+            "tensor_parallel": 1,
+        }
+
+    def prefill(self, input_ids: list[int]):
+        """(aux [n, A*H], last [n, H]) in the compute dtype, like the server's model dtype."""
+        torch = self.torch
+        ids = torch.tensor(input_ids, dtype=torch.int32)
+        offsets = torch.tensor([0, len(input_ids)], dtype=torch.int64)
+        with self.lock:  # one forward at a time, like one GPU
+            return self.extract.capture_hidden_states(
+                self.model, ids, [len(input_ids)], offsets, self.layer_ids, torch.float32, max(len(input_ids), 1)
+            )
+
+
+def make_handler(options, state: dict):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *args):  # keep the test output readable
+            if options.verbose:
+                super().log_message(fmt, *args)
+
+        def _send(self, status: int, payload) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if options.impersonate == "vllm":
+                if self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [{"id": options.target, "object": "model", "owned_by": "vllm"}]})
+                return self._send(404, {"detail": "Not Found"})
+            if self.path == "/health":
+                return self._send(200, {})
+            if options.impersonate == "sglang" and self.path == "/get_model_info":
+                return self._send(200, {"model_path": str(options.model), "is_generation": True})
+            if options.impersonate is None and self.path == sglang_patch.INFO_ROUTE:
+                return self._send(200, sglang_patch.server_info(state["model"].settings, "stand-in"))
+            return self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            length = int(self.headers.get("Content-Length", 0))
+            request = json.loads(self.rfile.read(length) or b"{}")
+            if options.impersonate == "vllm" or self.path != "/generate":
+                return self._send(404, {"detail": "Not Found"})
+            with state["lock"]:
+                state["requests"] += 1
+                count = state["requests"]
+            if options.exit_after is not None and count > options.exit_after:
+                os._exit(3)  # a crash: no answer, no cleanup, the port closes
+            if options.delay_s:
+                time.sleep(options.delay_s)
+            input_ids = request.get("input_ids")
+            rid = request.get("rid")
+            if not isinstance(input_ids, list) or not input_ids or not isinstance(rid, str):
+                return self._send(400, {"error": {"message": "need input_ids (a list of ints) and rid"}})
+            aux, last = state["model"].prefill(input_ids)
+            meta = {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": 1,
+                    "finish_reason": {"type": "length", "length": 1}}
+            if request.get("return_hidden_states") is True and options.impersonate is None:
+                if options.drop_rows:
+                    aux, last = aux[: -options.drop_rows], last[: -options.drop_rows]
+                    # What a prefix-cache hit looks like: fewer rows, file written anyway.
+                    descriptor = sglang_patch.spool_prefill_rows(
+                        options.spool_dir, rid, input_ids[: len(aux)], aux, last
+                    )
+                else:
+                    descriptor = sglang_patch.spool_prefill_rows(options.spool_dir, rid, input_ids, aux, last)
+                meta[sglang_patch.SPOOL_KEY] = [descriptor]
+            return self._send(200, {"text": "", "output_ids": [0], "meta_info": meta})
+
+    return Handler
+
+
+def serve(options) -> None:
+    state = {"lock": threading.Lock(), "requests": 0}
+    state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir)
+    server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
+    server.daemon_threads = True
+    port = server.server_address[1]
+    if options.ready_file:
+        tmp = Path(options.ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": f"http://{options.host}:{port}", "pid": os.getpid()}))
+        os.replace(tmp, options.ready_file)
+    print(f"stand-in server for {options.target} on http://{options.host}:{port}", file=sys.stderr, flush=True)
+    server.serve_forever()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="transformers model directory")
+    parser.add_argument("--target", required=True, help="target name the server reports")
+    parser.add_argument("--layer-ids", nargs="*", type=int, default=None, help="HF-convention aux layers (default [2, N//2, N-3])")
+    parser.add_argument("--spool-dir", default=sglang_patch.DEFAULT_SPOOL_DIR)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
+    parser.add_argument("--ready-file", help="written (url, pid) once the server listens")
+    parser.add_argument("--exit-after", type=int, default=None, help="die on the request after this many")
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    parser.add_argument("--drop-rows", type=int, default=0)
+    parser.add_argument("--impersonate", choices=["vllm", "sglang"], default=None)
+    parser.add_argument("--verbose", action="store_true")
+    options = parser.parse_args(argv)
+    options.layer_ids = options.layer_ids or None
+    return options
+
+
+if __name__ == "__main__":
+    serve(parse_args())

@@ -1,0 +1,513 @@
+"""Train an EAGLE-3 drafter on consolidated hidden shards, with training-time test (TTT).
+
+One global step: read packed rows (eaglenest.loader), compute the target's distribution over
+the draft vocab from the stored last hidden state, unroll the drafter ``ttt_length`` steps
+(eaglenest.drafter's TTT mask), and minimise sum_j decay**j * CE_j, where CE_j is the soft
+cross-entropy of step j averaged over the positions that count in the whole global batch.
+
+Alignment, per packed sample with tokens x_0..x_{n-1}: step j at position t reads token
+x_{t+1+j} and predicts x_{t+2+j}; its target is softmax(lm_head_t2d(last_hidden[t+1+j])). The
+position counts when x_{t+2+j} is in the same sample, carries loss mask 1 (an assistant token)
+and the target's full-vocab argmax at t+1+j lies in the draft vocab.
+
+Runs as one process (CPU or one GPU) or under torchrun with DDP; a rank's loss is scaled so
+that DDP's gradient average equals the single-process gradient of the same global batch.
+Checkpoints (atomic, rotated) hold the trainable weights, optimizer, scheduler, RNG states and
+the global step, which fixes the data position; a killed run resumes from the newest one and
+ends with the same weights (bitwise on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from eaglenest import atomic, drafter as drafter_lib, loader, vocab
+
+log = logging.getLogger("eaglenest.train")
+
+DEFAULTS = {
+    "ttt_length": 7,
+    "decay": 0.8,
+    "epochs": 2,
+    "token_budget": 2048,
+    "rows_per_step": 2,
+    "lr": 1e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_steps": 5,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.5,
+    "seed": 0,
+    "init_head_from_target": True,
+    "drafter": {},
+    # Speed and bookkeeping: never change the weights.
+    "device": "auto",
+    "threads": 2,
+    "prefetch": 2,
+    "log_every": 1,
+    "val_every": 0,
+    "checkpoint_every": 10,
+    "keep_checkpoints": 2,
+    "deterministic": True,
+}
+# Keys that decide the weights a run ends with (the checkpoint fingerprint).
+CONTENT_KEYS = (
+    "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
+    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
+)
+CHECKPOINT_FORMAT = "eaglenest-train-checkpoint"
+
+
+# ---- the target's distribution over the draft vocab ----------------------------------------------
+
+
+class TargetHead:
+    """The target's lm_head, for soft labels over the draft vocab and the in-draft-vocab test.
+
+    Full-vocab logits exist only for ``chunk_rows`` rows at a time (Kimi: 163,840 columns).
+    """
+
+    def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26):
+        full = drafter_lib.load_target_rows(target_path, "lm_head")
+        if full.shape[0] != t2d.numel():
+            raise ValueError(f"target lm_head has {full.shape[0]} rows, draft vocab t2d covers {t2d.numel()}")
+        self.t2d = t2d.to(device)
+        self.full = full.to(device=device, dtype=dtype)
+        self.draft = full[t2d].to(device=device, dtype=dtype)
+        self.chunk_rows = max(1, chunk_elements // full.shape[0])
+
+    @torch.no_grad()
+    def __call__(self, last_hidden: torch.Tensor):
+        """last_hidden [N, H] -> (probs [N, D] fp32, in_draft [N] bool)."""
+        x = last_hidden.to(self.draft.dtype)
+        probs = torch.softmax((x @ self.draft.T).float(), dim=-1)
+        in_draft = torch.cat([self.t2d[(chunk @ self.full.T).argmax(-1)] for chunk in x.split(self.chunk_rows)])
+        return probs, in_draft
+
+
+def shift_left(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """x[:, t + by] at t, ``fill`` past the end of the row."""
+    out = torch.full_like(x, fill)
+    if by < x.shape[1]:
+        out[:, : x.shape[1] - by] = x[:, by:]
+    return out
+
+
+def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list[torch.Tensor]:
+    """For each TTT step j, the flat [B*T] indices t whose prediction of x_{t+2+j} counts."""
+    seg, mask = batch["segment_ids"], batch["loss_mask"]
+    positions = []
+    for j in range(ttt_length):
+        same = (shift_left(seg, 2 + j, -2) == seg) & (seg >= 0)
+        valid = same & shift_left(mask, 2 + j, False) & shift_left(in_draft, 1 + j, False)
+        positions.append(valid.flatten().nonzero().squeeze(-1))
+    return positions
+
+
+class TTTObjective(nn.Module):
+    """Wraps the drafter so that DDP sees the whole unroll as one forward."""
+
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int):
+        super().__init__()
+        self.drafter = model
+        self.ttt_length = ttt_length
+
+    def forward(self, batch, probs, positions):
+        """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows."""
+        if batch is None:  # a rank with no row this step still joins DDP's reduction
+            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            return [(zero, 0, 0)] * self.ttt_length
+        ids, seg, pos = batch["input_ids"], batch["segment_ids"], batch["position_ids"]
+        hidden = batch["aux_hidden"]
+        target_ids = probs.argmax(-1)
+        cache = drafter_lib.TTTCache()
+        results = []
+        for j in range(self.ttt_length):
+            # Token x_{t+1+j}; across a sample boundary the id is irrelevant (never counted), use 0.
+            step_ids = torch.where(shift_left(seg, 1 + j, -2) == seg, shift_left(ids, 1 + j, 0), 0)
+            normed, hidden = self.drafter.backbone(step_ids, hidden, pos, cache, seg)
+            rows = positions[j]
+            if rows.numel() == 0:
+                results.append((normed.sum() * 0.0, 0, 0))
+                continue
+            logits = self.drafter.compute_logits(normed.flatten(0, 1)[rows]).float()
+            target = probs[rows + 1 + j]
+            ce = -(target * F.log_softmax(logits, dim=-1)).sum()
+            hits = int((logits.argmax(-1) == target_ids[rows + 1 + j]).sum())
+            results.append((ce, rows.numel(), hits))
+        return results
+
+
+# ---- setup -----------------------------------------------------------------------------------------
+
+
+def fingerprint(settings: dict, index_path) -> str:
+    index = json.loads(Path(index_path).read_text())
+    content = {key: settings[key] for key in CONTENT_KEYS}
+    content["shards"] = [entry["checksums"] for entry in index["shards"]]
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{local_rank}"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name!r} but no CUDA device is visible")
+    return torch.device(name)
+
+
+def cosine_schedule(warmup_steps: int, total_steps: int, min_ratio: float):
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def checkpoint_paths(directory: Path) -> list[Path]:
+    return sorted(directory.glob("step-*.pt"))
+
+
+def save_checkpoint(directory: Path, state: dict, keep: int) -> Path:
+    path = directory / f"step-{state['step']:08d}.pt"
+    atomic.write_with(path, lambda tmp: torch.save(state, tmp))
+    for old in checkpoint_paths(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest_checkpoint(directory: Path, expected_fingerprint: str) -> dict | None:
+    for path in reversed(checkpoint_paths(directory)):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{path}: not an eaglenest training checkpoint")
+        if state["fingerprint"] != expected_fingerprint:
+            raise ValueError(
+                f"{path} was written by a run with other training settings or data "
+                f"(fingerprint {state['fingerprint']} != {expected_fingerprint}); remove {directory} "
+                "to start over, or restore the settings to resume"
+            )
+        log.info("resuming from %s (step %d)", path, state["step"])
+        return state
+    return None
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def to_device(batch, device, hidden_dtype):
+    if batch is None:
+        return None
+    moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    for name in ("aux_hidden", "last_hidden"):
+        moved[name] = moved[name].to(hidden_dtype)
+    return moved
+
+
+# ---- validation ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def validate(objective: TTTObjective, head: TargetHead, dataset, settings, device, hidden_dtype, top_draft_id,
+             rank=0, world_size=1) -> dict:
+    """Per TTT step: mean soft CE, top-1 accuracy, and the accuracy of always guessing the most
+    frequent draft token (the chance level to beat), over the positions that count."""
+    length = settings["ttt_length"]
+    steps = loader.epoch_steps(dataset, settings["token_budget"], settings["rows_per_step"], 0, 0, shuffle=False)
+    reader = loader.RowReader(dataset)
+    sums = [0.0] * (4 * length)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    for rows in steps:
+        mine = rows[rank::world_size]
+        if not mine:
+            continue
+        batch = to_device(reader.batch(mine), device, hidden_dtype)
+        probs, in_draft = head(batch["last_hidden"].flatten(0, 1))
+        positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
+        with autocast:
+            results = objective(batch, probs, positions)
+        target_ids = probs.argmax(-1)
+        for j, (ce, count, hits) in enumerate(results):
+            chance = int((target_ids[positions[j] + 1 + j] == top_draft_id).sum())
+            sums[4 * j : 4 * j + 4] = [sums[4 * j] + float(ce), sums[4 * j + 1] + count,
+                                       sums[4 * j + 2] + hits, sums[4 * j + 3] + chance]
+    sums = all_reduce_sum(sums, device)
+    counts = [sums[4 * j + 1] for j in range(length)]
+    return {
+        "loss": [sums[4 * j] / max(counts[j], 1) for j in range(length)],
+        "acc": [sums[4 * j + 2] / max(counts[j], 1) for j in range(length)],
+        "chance_acc": [sums[4 * j + 3] / max(counts[j], 1) for j in range(length)],
+        "positions": [int(c) for c in counts],
+    }
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------
+
+
+def train(
+    index_path,
+    draft_vocab_path,
+    split_path,
+    target_path,
+    out_dir,
+    checkpoint_dir,
+    settings: dict | None = None,
+    target_name: str = "",
+    expect: dict | None = None,
+    log_stream=None,
+    summary_path=None,
+    stop_after_steps: int | None = None,
+) -> dict:
+    """Train (or resume) and write out_dir/{model.safetensors, config.json, training_curve.json}
+    and, when given, ``summary_path`` (the curve's summary: throughput, final val accuracy).
+
+    ``stop_after_steps`` ends the process's work after that many steps of this invocation
+    without writing the final drafter (tests use it to make an interrupted run).
+    """
+    settings = {**DEFAULTS, **(settings or {})}
+    unknown = sorted(set(settings) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown train settings {unknown}")
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(settings["device"], local_rank)
+    if distributed and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world_size = dist.get_world_size() if distributed else 1
+    if settings["rows_per_step"] % world_size and rank == 0:
+        log.warning("rows_per_step %d is not a multiple of %d processes: some ranks idle on some steps",
+                    settings["rows_per_step"], world_size)
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    torch.set_num_threads(settings["threads"])
+    if device.type == "cpu" and settings["deterministic"]:
+        torch.use_deterministic_algorithms(True)
+    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if rank == 0:
+        atomic.remove_stale_temps(checkpoint_dir)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    run_fingerprint = fingerprint(settings, index_path)
+    train_set = loader.open_split(index_path, split_path, "train", expect)
+    val_set = loader.open_split(index_path, split_path, "val", expect)
+    draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
+    top_draft_id = int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
+
+    model = drafter_lib.build_drafter(
+        target_path, draft_vocab, train_set.layer_ids, target_name=target_name, seed=settings["seed"],
+        init_head_from_target=settings["init_head_from_target"], **settings["drafter"],
+    )
+    if model.config.target_hidden_size != train_set.hidden_size:
+        raise ValueError(f"target hidden size {model.config.target_hidden_size} != shards' {train_set.hidden_size}")
+    model.to(device)
+    head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
+    objective = TTTObjective(model, settings["ttt_length"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], betas=(0.9, 0.95),
+                                  weight_decay=settings["weight_decay"])
+    stream = loader.StepStream(
+        train_set, settings["token_budget"], settings["rows_per_step"], settings["seed"], settings["epochs"],
+        rank=rank, world_size=world_size, prefetch=settings["prefetch"],
+        pad_to_budget=device.type == "cuda", pin_memory=device.type == "cuda",
+    )
+    total_steps = len(stream)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, cosine_schedule(settings["warmup_steps"], total_steps, settings["min_lr_ratio"])
+    )
+    curve = {"train": [], "val": []}
+    start_step = 0
+    state = load_latest_checkpoint(checkpoint_dir, run_fingerprint)
+    if state is not None:
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        curve = state["curve"]
+        start_step = state["step"]
+    stream.start_step = start_step
+    ddp = objective
+    if distributed:
+        ddp = nn.parallel.DistributedDataParallel(objective, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def checkpoint(step: int):
+        if rank == 0:
+            save_checkpoint(checkpoint_dir, {
+                "format": CHECKPOINT_FORMAT, "fingerprint": run_fingerprint, "step": step,
+                "epoch": stream.schedule[min(step, total_steps - 1)][0] if total_steps else 0,
+                "model": {k: v.cpu() for k, v in model.trainable_state_dict().items()},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                "curve": curve, "drafter_config": model.config.to_dict(), "target_path": str(target_path),
+                "settings": settings,
+            }, settings["keep_checkpoints"])
+        if distributed:
+            dist.barrier()
+
+    def run_validation(step: int):
+        model.eval()
+        result = validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id, rank, world_size)
+        model.train()
+        curve["val"].append({"step": step, **result})
+        log.info("val step %d: acc per TTT position %s (chance %s)", step,
+                 [round(a, 4) for a in result["acc"]], [round(a, 4) for a in result["chance_acc"]])
+        return result
+
+    from tqdm import tqdm
+
+    progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=log_stream or sys.stderr,
+                    disable=rank != 0, mininterval=5.0, dynamic_ncols=False)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    decay_weights = [settings["decay"] ** j for j in range(settings["ttt_length"])]
+    loop_began = time.perf_counter()
+    tokens_seen, steps_done = 0, 0
+    log.info("training %d steps (%d train samples, %d tokens; %d val samples) on %s x%d from step %d",
+             total_steps, len(train_set.samples), train_set.num_tokens, len(val_set.samples), device, world_size,
+             start_step)
+    model.train()
+    try:
+        waited_before = 0.0
+        for step, epoch, batch in stream:
+            began = time.perf_counter()
+            waited, waited_before = stream.wait_seconds - waited_before, stream.wait_seconds
+            batch = to_device(batch, device, hidden_dtype)
+            if batch is not None:
+                probs, in_draft = head(batch["last_hidden"].flatten(0, 1))
+                positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), settings["ttt_length"])
+                local_counts = [float(p.numel()) for p in positions] + [float(batch["tokens"])]
+            else:
+                probs, positions = None, None
+                local_counts = [0.0] * (settings["ttt_length"] + 1)
+            global_counts = all_reduce_sum(local_counts, device)
+            with autocast:
+                results = ddp(batch, probs, positions)
+            # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
+            loss = sum(w * ce * world_size / max(n, 1.0)
+                       for w, (ce, _, _), n in zip(decay_weights, results, global_counts))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"]))
+            optimizer.step()
+            scheduler.step()
+            stats = all_reduce_sum([float(ce.detach()) for ce, _, _ in results] + [float(h) for _, _, h in results], device)
+            length = settings["ttt_length"]
+            record = {
+                "step": step + 1, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                "loss": sum(w * stats[j] / max(global_counts[j], 1) for j, w in enumerate(decay_weights)),
+                "acc": [stats[length + j] / max(global_counts[j], 1) for j in range(length)],
+                "positions": [int(c) for c in global_counts[:length]], "tokens": int(global_counts[-1]),
+                "seconds": time.perf_counter() - began, "data_wait_seconds": waited,
+            }
+            curve["train"].append(record)
+            tokens_seen += record["tokens"]
+            steps_done += 1
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}", refresh=False)
+            if (step + 1) % settings["log_every"] == 0:
+                log.info("step %d/%d epoch %d loss %.4f acc %s lr %.2e grad %.3f", step + 1, total_steps, epoch,
+                         record["loss"], [round(a, 3) for a in record["acc"]], record["lr"], grad_norm)
+            if settings["val_every"] and (step + 1) % settings["val_every"] == 0 and step + 1 < total_steps:
+                run_validation(step + 1)
+            if (step + 1) % settings["checkpoint_every"] == 0 or step + 1 == total_steps:
+                checkpoint(step + 1)
+            if stop_after_steps is not None and steps_done >= stop_after_steps:
+                return {"stopped_at": step + 1}
+    finally:
+        stream.close()
+        progress.close()
+    loop_seconds = time.perf_counter() - loop_began
+
+    final_val = run_validation(total_steps) if (not curve["val"] or curve["val"][-1]["step"] != total_steps) \
+        else curve["val"][-1]
+    summary = {
+        "steps": total_steps, "resumed_from_step": start_step, "processes": world_size, "device": str(device),
+        "tokens_this_invocation": tokens_seen,
+        "tokens_per_second": tokens_seen / loop_seconds if loop_seconds and steps_done else None,
+        "data_wait_fraction": stream.wait_seconds / loop_seconds if loop_seconds and steps_done else None,
+        "final_val_acc": final_val["acc"], "final_val_chance_acc": final_val["chance_acc"],
+        "final_val_loss": final_val["loss"], "final_val_positions": final_val["positions"],
+        "ttt_length": settings["ttt_length"], "train_tokens_per_epoch": train_set.num_tokens,
+        "fingerprint": run_fingerprint,
+    }
+    curve["summary"] = summary
+    log.info("done: %s", json.dumps(summary))
+    if rank == 0:
+        model.save(out_dir, extra_config={"architectures": ["Eagle3Drafter"], "layer_ids_convention": "hf"})
+        atomic.write_json(out_dir / "training_curve.json", curve)
+        if summary_path:
+            atomic.write_json(summary_path, summary)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def launch(arguments: dict, processes: int = 1) -> None:
+    """Run ``train(**arguments)``; with processes > 1 under torchrun (DDP), one per GPU or CPU worker."""
+    if processes <= 1:
+        train(**arguments)
+        return
+    checkpoint_dir = Path(arguments["checkpoint_dir"])
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    args_file = checkpoint_dir / "launch.json"
+    atomic.write_json(args_file, {k: v for k, v in arguments.items() if k != "log_stream"})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+               "-m", "eaglenest.train", str(args_file)]
+    log.info("launching %s", " ".join(command))
+    stream = arguments.get("log_stream")
+    result = subprocess.run(command, stdout=stream or None, stderr=subprocess.STDOUT if stream else None)
+    if result.returncode != 0:
+        raise RuntimeError(f"torchrun exited with {result.returncode}; see the log above")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="eaglenest drafter training worker (one torchrun rank)")
+    parser.add_argument("arguments", help="JSON file with the arguments of eaglenest.train.train")
+    args = parser.parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    train(**json.loads(Path(args.arguments).read_text()))
+
+
+if __name__ == "__main__":
+    main()

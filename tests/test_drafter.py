@@ -1,0 +1,186 @@
+"""The EAGLE-3 drafter: SGLang names and shapes, the training-time-test mask, packing, files."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglenest import drafter, vocab
+
+
+def tiny_config(**overrides) -> drafter.DrafterConfig:
+    values = dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+        vocab_size=50, draft_vocab_size=20, target_hidden_size=32, aux_layer_ids=[1, 2, 3],
+    )
+    values.update(overrides)
+    return drafter.DrafterConfig(**values)
+
+
+def tiny_drafter(seed=0, **overrides) -> drafter.Eagle3Drafter:
+    torch.manual_seed(seed)
+    model = drafter.Eagle3Drafter(tiny_config(**overrides))
+    counts = torch.arange(50).flip(0)
+    model.set_draft_vocab(*vocab.build_draft_vocab(counts, 20))
+    with torch.no_grad():  # non-trivial norms so that a wrong norm placement changes outputs
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def test_state_dict_uses_sglang_llama_eagle3_names_and_shapes():
+    model = tiny_drafter()
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    h, q, kv = 32, 4 * 8, 2 * 8
+    assert shapes == {
+        "embed_tokens.weight": (50, h),
+        "fc.weight": (h, 3 * h),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (48, h),
+        "midlayer.mlp.up_proj.weight": (48, h),
+        "midlayer.mlp.down_proj.weight": (h, 48),
+        "norm.weight": (h,),
+        "lm_head.weight": (20, h),
+        "d2t": (20,),
+        "t2d": (50,),
+    }
+    assert not model.embed_tokens.weight.requires_grad
+
+
+def test_config_from_target_takes_sizes_and_never_shortens_positions(tiny_llama):
+    config = drafter.DrafterConfig.from_target_config(tiny_llama, draft_vocab_size=64, aux_layer_ids=[2, 3, 3],
+                                                      max_position_embeddings=16)
+    target = json.loads((tiny_llama / "config.json").read_text())
+    assert (config.hidden_size, config.num_attention_heads, config.num_key_value_heads) == (64, 4, 2)
+    assert config.intermediate_size == target["intermediate_size"]
+    assert config.vocab_size == target["vocab_size"]
+    assert config.max_position_embeddings == target["max_position_embeddings"]
+    wrapped = drafter.DrafterConfig.from_target_config({"text_config": target}, 64, [2, 3, 3])
+    assert wrapped.hidden_size == 64
+
+
+def test_fc_applies_to_aux_hidden_and_fed_back_hidden_skips_it():
+    model = tiny_drafter()
+    ids = torch.randint(0, 50, (1, 6))
+    aux = torch.randn(1, 6, 96)
+    logits, hidden = model(ids, aux)
+    assert logits.shape == (1, 6, 20) and hidden.shape == (1, 6, 32)
+    again, _ = model(ids, model.fc(aux))
+    torch.testing.assert_close(logits, again)
+    with pytest.raises(ValueError, match="expected 3\\*32"):
+        model(ids, torch.randn(1, 6, 40))
+
+
+def reference_ttt(model, ids_per_step, aux):
+    """Independent TTT: every step attends over [step-0 keys, keys of steps 1..j] through an
+    explicit dense mask (causal block + one diagonal per draft step), computed naively."""
+    cfg = model.config
+    layer = model.midlayer
+    attn = layer.self_attn
+    T = aux.shape[1]
+    pos = torch.arange(T)[None]
+    cos, sin = drafter.rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, aux.dtype)
+    hidden = model.fc(aux)
+    keys, values, outputs = [], [], []
+    for j, ids in enumerate(ids_per_step):
+        residual = hidden
+        x = torch.cat([layer.input_layernorm(model.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
+        q = attn.q_proj(x).view(1, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(1, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q, k = drafter.apply_rotary(q, cos, sin), drafter.apply_rotary(k, cos, sin)
+        keys.append(k.repeat_interleave(2, 1))
+        values.append(v.repeat_interleave(2, 1))
+        mask = torch.zeros(T, T * (j + 1), dtype=torch.bool)
+        for t in range(T):
+            mask[t, : t + 1] = True  # verified context, causal
+            for i in range(1, j + 1):
+                mask[t, i * T + t] = True  # own drafted ancestors
+        scores = q @ torch.cat(keys, 2).transpose(-1, -2) / cfg.head_dim**0.5
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        out = (weights @ torch.cat(values, 2)).transpose(1, 2).reshape(1, T, -1)
+        residual = residual + attn.o_proj(out)
+        hidden = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        outputs.append(model.lm_head(model.norm(hidden)))
+    return outputs
+
+
+def test_ttt_steps_follow_the_eagle3_mask():
+    model = tiny_drafter()
+    T = 7
+    aux = torch.randn(1, T, 96)
+    ids_per_step = [torch.randint(0, 50, (1, T)) for _ in range(4)]
+    expected = reference_ttt(model, ids_per_step, aux)
+    cache = drafter.TTTCache()
+    hidden = aux
+    for j, ids in enumerate(ids_per_step):
+        logits, hidden = model(ids, hidden, cache=cache)
+        torch.testing.assert_close(logits, expected[j], rtol=1e-4, atol=1e-5, msg=f"TTT step {j}")
+    assert cache.steps == 4
+
+
+def test_packed_samples_never_attend_across_samples():
+    model = tiny_drafter()
+    lengths = [5, 3, 6]
+    aux = torch.randn(1, sum(lengths), 96)
+    ids = [torch.randint(0, 50, (1, sum(lengths))) for _ in range(3)]
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed_cache, hidden, packed = drafter.TTTCache(), aux, []
+    for step_ids in ids:
+        logits, hidden = model(step_ids, hidden, positions, packed_cache, segments)
+        packed.append(logits)
+    at = 0
+    for n in lengths:
+        cache, hidden = drafter.TTTCache(), aux[:, at : at + n]
+        for j, step_ids in enumerate(ids):
+            logits, hidden = model(step_ids[:, at : at + n], hidden, cache=cache)
+            torch.testing.assert_close(logits, packed[j][:, at : at + n], rtol=1e-4, atol=1e-5)
+        at += n
+
+
+def test_save_and_load_give_identical_logits(tmp_path):
+    model = tiny_drafter(seed=3)
+    model.save(tmp_path / "drafter")
+    loaded = drafter.Eagle3Drafter.from_checkpoint(tmp_path / "drafter")
+    ids, aux = torch.randint(0, 50, (2, 5)), torch.randn(2, 5, 96)
+    assert torch.equal(model(ids, aux)[0], loaded(ids, aux)[0])
+    assert torch.equal(loaded.d2t, model.d2t) and torch.equal(loaded.t2d, model.t2d)
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["draft_vocab_size"] == 20
+
+
+def test_build_drafter_copies_embedding_head_rows_and_norm_from_target(tiny_llama):
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tiny_llama / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    counts = torch.randint(0, 100, (embed.shape[0],))
+    d2t, t2d = vocab.build_draft_vocab(counts, 64)
+    model = drafter.build_drafter(tiny_llama, {"d2t": d2t, "t2d": t2d}, [2, 3, 3])
+    assert torch.equal(model.embed_tokens.weight, embed.float())
+    # tied target: its head is the embedding; the draft head is its draft-vocab rows
+    assert torch.equal(model.lm_head.weight, embed[vocab.draft_to_target(d2t)].float())
+    assert torch.equal(model.norm.weight, weights["model.norm.weight"].float())
+    assert torch.equal(model.draft_to_target(torch.arange(64)), vocab.draft_to_target(d2t))
+
+
+def test_draft_vocab_that_does_not_fit_the_config_is_refused():
+    model = tiny_drafter()
+    with pytest.raises(ValueError, match="does not match the config"):
+        model.set_draft_vocab(torch.zeros(10, dtype=torch.int64), torch.zeros(50, dtype=torch.bool))
+
+
+def test_sdpa_and_explicit_attention_agree_for_step_zero():
+    # Step 0 goes through scaled_dot_product_attention; check it against plain softmax.
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    mask = drafter.causal_segment_mask(torch.tensor([[0, 0, 0, 1, 1]]))
+    expected = ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), expected)

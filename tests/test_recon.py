@@ -1,0 +1,453 @@
+"""eaglenest recon: built situations (killed runs, corrupt shards, wrong servers), real processes."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from eaglenest import atomic, cli, recon
+
+NO_GPU = lambda args: (_ for _ in ()).throw(OSError("no nvidia-smi"))  # noqa: E731  (a machine without GPUs)
+
+
+def planned_shards(workdir: Path, configfile: Path) -> list[int]:
+    """Shard ids of the extract jobs that ``snakemake -n`` plans."""
+    result = run_snakemake(workdir, configfile, "-n")
+    text = result.stdout + result.stderr
+    ids = set()
+    for block in re.split(r"\n(?=(?:local)?rule )", text):
+        if block.lstrip().startswith(("rule extract_hidden_states", "localrule extract_hidden_states")):
+            match = re.search(r"wildcards: shard=(\d+)", block)
+            ids.add(int(match.group(1)))
+    return sorted(ids)
+
+
+def run_recon(workdir: Path, configfile: Path, **kwargs) -> dict:
+    kwargs.setdefault("nvidia_smi", NO_GPU)
+    return recon.recon(workdir, [str(configfile)], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
+    """A tiny workflow run to the end: 4 hidden shards, consolidated."""
+    workdir = tmp_path_factory.mktemp("finished")
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations)
+    run_snakemake(workdir, configfile, "--cores", "2")
+    return workdir, configfile
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path) -> tuple[Path, Path]:
+    """A private copy of the finished run (mtimes kept) that a test may damage."""
+    source, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir, symlinks=True)
+    # The copied config still names the original conversations file: same params, nothing replanned.
+    return workdir, workdir / "config.yaml"
+
+
+def hidden(workdir: Path, shard_id: int) -> Path:
+    return workdir / "results" / "tiny" / "hidden" / f"shard-{shard_id:05d}.safetensors"
+
+
+def killed_writer(final: Path) -> Path:
+    """Leave a real partial file: an atomic writer SIGKILLed halfway through its write."""
+    code = (
+        "import sys, time\n"
+        "from eaglenest import atomic\n"
+        "def write(tmp):\n"
+        "    with open(tmp, 'wb') as handle:\n"
+        "        handle.write(b'\\0' * 4096); handle.flush(); print('writing', flush=True); time.sleep(60)\n"
+        "atomic.write_with(sys.argv[1], write)\n"
+    )
+    writer = subprocess.Popen([sys.executable, "-c", code, str(final)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    leftovers = list(final.parent.glob(final.name + atomic.TMP_MARKER + "*"))
+    assert len(leftovers) == 1 and not final.exists()
+    return leftovers[0]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_config_is_loaded_like_the_workflow_with_overrides_and_defaults(tmp_path):
+    override = tmp_path / "override.yaml"
+    override.write_text(yaml.safe_dump({"run": "other", "data": {"max_conversations": 10}, "extract": {"dtype": "float16"}}))
+    config = recon.load_config(recon.REPO, [str(override)])
+    assert config["run"] == "other"
+    assert config["data"]["max_conversations"] == 10
+    assert config["data"]["samples_per_shard"] == 32  # merged, not replaced
+    assert config["extract"]["gpus_per_job"] == 0  # default from the schema
+    assert config["target"]["tensor_parallel"] == 1
+
+
+def test_invalid_config_is_a_usage_error_with_the_bad_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"extract": {"dtype": "int3"}}))
+    with pytest.raises(recon.ReconError, match="extract/dtype"):
+        recon.load_config(recon.REPO, [str(bad)])
+    assert cli.main(["recon", "--directory", str(recon.REPO), "--configfile", str(bad)]) == 2
+    assert "extract/dtype" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- GPUs and processes
+
+# nvidia-smi (driver 570) on an 8x H200 node where a vLLM server auto-started at boot:
+# --query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu --format=csv,noheader,nounits
+H200_GPUS = "\n".join(
+    f"{i}, GPU-6f0c{i}e2a-41d3-9b5e-8c7f-2d1e0a9b3c4{i}, NVIDIA H200, 77618, 143771, 0" for i in range(8)
+) + "\n"
+# --query-compute-apps=gpu_uuid,pid,process_name,used_memory --format=csv,noheader,nounits
+H200_APPS = "".join(
+    f"GPU-6f0c{i}e2a-41d3-9b5e-8c7f-2d1e0a9b3c4{i}, {{pid}}, VLLM::Worker_TP{i}, 77600\n" for i in range(8)
+)
+
+
+@pytest.fixture
+def fake_vllm_process():
+    """A real process whose command line is vLLM's OpenAI server."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/Kimi-K2.5",
+                                "--tensor-parallel-size", "8"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_nvidia_smi_output_names_the_vllm_process_holding_idle_gpus(fake_vllm_process):
+    outputs = {"--query-gpu": H200_GPUS, "--query-compute-apps": H200_APPS.format(pid=fake_vllm_process.pid)}
+    run = lambda args: outputs[args[0].split("=")[0]]  # noqa: E731  (recorded nvidia-smi text)
+    section = recon.check_gpus(recon.list_processes(), gpus_needed=True, run=run)
+    assert section["status"] == recon.BLOCK
+    assert [g["memory_used_mib"] for g in section["gpus"]] == [77618.0] * 8
+    assert all(g["idle_holder"] for g in section["gpus"])
+    (holder,) = section["holders"]
+    assert holder["pid"] == fake_vllm_process.pid and holder["kind"] == "vllm"
+    assert holder["gpus"] == list(range(8))
+    assert "vllm.entrypoints.openai.api_server" in holder["cmdline"] and holder["started"]
+    assert section["steps"][0]["command"] == f"kill {fake_vllm_process.pid}"
+    assert "0 % utilisation" in section["summary"]
+
+
+def test_gpu_parsing_handles_mig_not_supported_fields_and_no_processes():
+    gpus = recon.parse_gpu_query("0, GPU-aaaa, NVIDIA H200, 0, 143771, [N/A]\n")
+    assert gpus[0]["utilization_pct"] is None and gpus[0]["memory_used_mib"] == 0
+    section = recon.gpu_report(gpus, recon.parse_apps_query(""), {}, gpus_needed=True)
+    assert section["status"] == recon.OK and section["holders"] == []
+    with pytest.raises(ValueError, match="unexpected nvidia-smi"):
+        recon.parse_gpu_query("0, GPU-aaaa, NVIDIA H200\n")
+
+
+def test_machine_without_nvidia_smi_says_so_and_goes_on():
+    section = recon.check_gpus({}, gpus_needed=True, run=NO_GPU)
+    assert section["status"] == recon.NA and "no nvidia-smi" in section["summary"]
+
+
+@pytest.mark.parametrize(
+    "cmdline, kind",
+    [
+        ("python -m eaglenest.cli serve --configfile config/kimi-k2.5.yaml", "eaglenest-sglang"),
+        ("/opt/conda/envs/sglang/bin/python -m sglang.launch_server --model-path /models/Kimi-K2.5 --tp 8", "sglang"),
+        ("sglang::scheduler_TP3", "sglang"),
+        ("/usr/bin/python3 /usr/local/bin/vllm serve /models/Kimi-K2.5 --tensor-parallel-size 8", "vllm"),
+        ("VLLM::EngineCore", "vllm"),
+        ("torchrun --nproc-per-node 8 -m eaglenest.train --config results/kimi/train/config.json", "eaglenest-train"),
+        ("python /work/.snakemake/scripts/tmpab12cd.train.py", "eaglenest-train"),
+        ("python /work/.snakemake/scripts/tmpx9.extract_shard.py", "eaglenest-extract"),
+        ("/usr/bin/python3 -m snakemake --cores all", "snakemake"),
+        ("/usr/bin/python3 jupyter-lab --port 8888", "unknown"),
+    ],
+)
+def test_process_kind_is_named_from_its_command_line(cmdline, kind):
+    assert recon.process_kind(cmdline.split()) == kind
+
+
+def test_sglang_workers_of_our_launcher_count_as_ours():
+    processes = {
+        10: {"cmdline": ["python", "-m", "eaglenest.cli", "serve"], "ppid": 1},
+        11: {"cmdline": ["sglang::scheduler_TP0"], "ppid": 10},
+        20: {"cmdline": ["sglang::scheduler_TP0"], "ppid": 1},
+    }
+    assert recon.kind_with_parents(11, processes) == "eaglenest-sglang"
+    assert recon.kind_with_parents(20, processes) == "sglang"
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict = {}
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        body = self.routes.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    """Start a real HTTP server on 127.0.0.1 answering the given JSON routes; yields its URL."""
+    servers = []
+
+    def start(routes: dict) -> str:
+        handler = type("Routes", (_Handler,), {"routes": routes})
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+VLLM_MODELS = {"object": "list", "data": [{"id": "/models/Kimi-K2.5", "object": "model", "owned_by": "vllm",
+                                           "root": "/models/Kimi-K2.5", "max_model_len": 262144}]}
+
+
+def sglang_config(tmp_path: Path) -> dict:
+    override = tmp_path / "sglang.yaml"
+    override.write_text(yaml.safe_dump({"extract": {"backend": "sglang"}}))
+    return recon.load_config(recon.REPO, [str(override)])
+
+
+def test_wrong_server_on_the_configured_url_is_named_and_its_pid_given(http_server, tmp_path):
+    url = http_server({"/v1/models": VLLM_MODELS, "/version": {"version": "0.11.0"}})
+    section = recon.check_servers(sglang_config(tmp_path), recon.list_processes(), server_url=url)
+    assert section["status"] == recon.BLOCK
+    assert section["probe"]["kind"] == "vllm"
+    assert "something else answers: vLLM" in section["summary"]
+    # The listener is found through /proc/net/tcp: here it is this very process.
+    assert section["steps"][0]["command"] == f"kill {os.getpid()}"
+
+
+def test_nothing_answering_on_the_configured_url_blocks(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    section = recon.check_servers(sglang_config(tmp_path), {}, listeners=[], server_url=f"http://127.0.0.1:{port}")
+    assert section["status"] == recon.BLOCK and section["probe"]["kind"] == "nothing"
+    assert "nothing answers" in section["summary"]
+    assert section["steps"][0]["command"] == "python -m eaglenest.sglang_launch"
+
+
+def test_patched_sglang_for_this_run_is_accepted_and_one_for_another_target_is_not(http_server, tmp_path):
+    from eaglenest import plan, sglang_patch
+
+    config = sglang_config(tmp_path)
+    info = {"server": sglang_patch.SERVER_KIND, "patch_version": sglang_patch.PATCH_VERSION,
+            "target": config["target"]["name"], "layer_ids": plan.layer_ids(config),
+            "hidden_size": config["target"]["hidden_size"], "tensor_parallel": 1}
+    good = http_server({sglang_patch.INFO_ROUTE: info})
+    assert recon.check_servers(config, {}, listeners=[], server_url=good)["status"] == recon.OK
+    other = http_server({sglang_patch.INFO_ROUTE: dict(info, target="meta-llama/Llama-3-8B")})
+    section = recon.check_servers(config, {}, listeners=[], server_url=other)
+    assert section["status"] == recon.BLOCK and "patched SGLang for another run" in section["summary"]
+    assert "meta-llama/Llama-3-8B" in section["summary"]
+    plain = http_server({"/get_model_info": {"model_path": config["target"]["path"], "is_generation": True}})
+    section = recon.check_servers(config, {}, listeners=[], server_url=plain)
+    assert section["probe"]["kind"] == "sglang" and "plain SGLang" in section["summary"]
+
+
+def test_proc_net_tcp_listeners_are_parsed_for_ipv4_and_ipv6():
+    text = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:7530 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 48211 1 0 100 0 0 10 0\n"
+        "   1: 0100007F:7530 0100007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 48299 1 0 20 4 30 10 -1\n"
+    )
+    assert recon.parse_proc_net_tcp(text) == [{"address": "127.0.0.1", "port": 30000, "inode": 48211}]
+    text6 = (
+        "  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 00000000000000000000000001000000:1F40 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5512 1 0 100 0 0 10 0\n"
+    )
+    assert recon.parse_proc_net_tcp(text6) == [{"address": "::1", "port": 8000, "inode": 5512}]
+
+
+# --------------------------------------------------------------------------- workflow state
+
+
+def test_finished_run_is_ready_with_nothing_to_run(finished_run):
+    workdir, configfile = finished_run
+    report = run_recon(workdir, configfile)
+    workflow = report["sections"]["workflow"]
+    assert workflow["by_state"]["done"] == [0, 1, 2, 3]
+    assert workflow["to_build"] == [] and workflow["predicted_jobs"] == {}
+    assert planned_jobs(workdir, configfile) == {}
+    assert workflow["samples_done"] == workflow["samples_total"] > 0
+    assert workflow["later_stages"]["checkpoints"]["state"] in (recon.NA, "missing")
+    assert report["verdict"]["ready"] and report["verdict"]["next_command"].startswith("nothing to run")
+
+
+def test_run_killed_mid_extraction_reports_missing_and_partial_shards_and_unlock_first(run_copy):
+    workdir, configfile = run_copy
+    for shard_id in (1, 2, 3):
+        hidden(workdir, shard_id).unlink()
+    process = subprocess.Popen(snakemake_command(workdir, configfile, "--cores", "1"), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not hidden(workdir, 1).exists():
+        assert process.poll() is None and time.monotonic() < deadline, "snakemake ended before shard 1 was written"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    absent = [i for i in range(4) if not hidden(workdir, i).exists()]
+    assert absent, "snakemake finished before it was killed"
+    partial = absent[-1]
+    killed_writer(hidden(workdir, partial))
+
+    report = run_recon(workdir, configfile)
+    workflow, smk = report["sections"]["workflow"], report["sections"]["snakemake"]
+    assert workflow["by_state"]["partial"] == [partial]
+    assert workflow["by_state"]["missing"] == absent[:-1]
+    # A shard renamed into place just before the kill is still marked incomplete by Snakemake.
+    incomplete = workflow["by_state"]["incomplete"]
+    assert all(hidden(workdir, i).exists() for i in incomplete)
+    expected = sorted(absent + incomplete)
+    assert workflow["to_build"] == expected
+    assert smk["locks"] and not smk["snakemake_alive"]
+    assert not report["verdict"]["ready"]
+    assert report["verdict"]["next_command"] == recon.snakemake_command([str(configfile)], workdir, "--unlock")
+    commands = [s["command"] for s in report["verdict"]["steps"]]
+    assert any(c and c.startswith("rm ") and atomic.TMP_MARKER in c for c in commands)
+    assert commands[-1].startswith("snakemake --cores all")
+
+    # Follow the advice: unlock; recon's shard list equals what snakemake -n plans.
+    run_snakemake(workdir, configfile, "--unlock")
+    report = run_recon(workdir, configfile)
+    assert planned_shards(workdir, configfile) == report["sections"]["workflow"]["to_build"] == expected
+    assert report["verdict"]["ready"]
+    assert report["verdict"]["next_command"].startswith("rm ")  # the partial file first
+    resume = report["verdict"]["steps"][-1]["command"]
+    assert resume.startswith("snakemake --cores all") and ("--rerun-incomplete" in resume) == bool(incomplete)
+    assert planned_jobs(workdir, configfile).get("extract_hidden_states") == len(expected)
+
+
+def test_truncated_shard_is_corrupt_in_header_mode_and_bit_flip_only_in_deep_mode(run_copy):
+    workdir, configfile = run_copy
+    truncated, flipped = hidden(workdir, 1), hidden(workdir, 2)
+    os.truncate(truncated, truncated.stat().st_size - 100)
+    with open(flipped, "r+b") as handle:
+        handle.seek(-10, os.SEEK_END)
+        byte = handle.read(1)
+        handle.seek(-10, os.SEEK_END)
+        handle.write(bytes([byte[0] ^ 0x40]))
+
+    fast = run_recon(workdir, configfile)["sections"]["workflow"]
+    assert fast["by_state"]["corrupt"] == [1] and 2 in fast["by_state"]["done"]
+    deep = run_recon(workdir, configfile, deep=True)
+    workflow = deep["sections"]["workflow"]
+    assert workflow["by_state"]["corrupt"] == [1, 2]
+    assert "checksum mismatch" in workflow["shards"][2]["reason"]
+    # Snakemake cannot see corruption: nothing planned until recon's rm is run.
+    assert workflow["to_build"] == [] and planned_shards(workdir, configfile) == []
+    assert not deep["verdict"]["ready"]
+    rm = deep["verdict"]["steps"][0]["command"]
+    assert rm == f"rm {hidden(workdir, 1).relative_to(workdir)} {hidden(workdir, 2).relative_to(workdir)}"
+    assert deep["verdict"]["next_command"] == rm
+    for path in rm.split()[1:]:
+        (workdir / path).unlink()
+    assert planned_shards(workdir, configfile) == [1, 2] == run_recon(workdir, configfile)["sections"]["workflow"]["to_build"]
+
+
+def test_incomplete_marker_on_an_existing_shard_asks_for_rerun_incomplete(run_copy):
+    workdir, configfile = run_copy
+    # What a kill between the atomic rename and Snakemake's bookkeeping leaves behind.
+    key = str(hidden(workdir, 0).relative_to(workdir))
+    marker = workdir / ".snakemake" / "incomplete" / __import__("base64").urlsafe_b64encode(key.encode()).decode()
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"external_jobid": None}))
+    report = run_recon(workdir, configfile)
+    assert report["sections"]["workflow"]["by_state"]["incomplete"] == [0]
+    assert report["sections"]["snakemake"]["rerun_incomplete"]
+    assert "--rerun-incomplete" in report["verdict"]["next_command"]
+    assert planned_shards(workdir, configfile) == [0]
+
+
+def test_fix_removes_stale_temps_and_locks_and_says_so(run_copy, capsys):
+    workdir, configfile = run_copy
+    hidden(workdir, 3).unlink()
+    temp = killed_writer(hidden(workdir, 3))
+    locks = workdir / ".snakemake" / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    (locks / "0.output.lock").write_text(str(hidden(workdir, 3).relative_to(workdir)) + "\n")
+    code = cli.main(["recon", "--directory", str(workdir), "--configfile", str(configfile), "--fix"])
+    out = capsys.readouterr().out
+    assert not temp.exists() and not list(locks.glob("*.lock"))
+    assert "fixed: removed" in out and code == 0
+    assert "Next command: snakemake --cores all" in out
+
+
+def test_missing_weight_file_blocks_with_the_file_named(run_copy, tiny_llama, tmp_path):
+    workdir, configfile = run_copy
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    weights = sorted(model.glob("*.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": weights[0].name, "b": "model-00002-of-00002.safetensors"}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = yaml.safe_load(configfile.read_text())
+    config["target"]["path"] = str(model)
+    configfile.write_text(yaml.safe_dump(config))
+    report = run_recon(workdir, configfile)
+    code = report["sections"]["code"]
+    assert code["status"] == recon.BLOCK
+    assert "model-00002-of-00002.safetensors missing" in code["target_model"]["summary"]
+    assert not report["verdict"]["ready"]
+
+
+def test_disk_too_small_blocks_with_numbers(run_copy):
+    workdir, configfile = run_copy
+    hidden(workdir, 0).unlink()
+    config = yaml.safe_load(configfile.read_text())
+    free = shutil.disk_usage(workdir).free
+    config["extract"]["disk_reserve_mb"] = (free >> 20) + 1  # the preflight's reserve alone exceeds the disk
+    configfile.write_text(yaml.safe_dump(config))
+    report = run_recon(workdir, configfile)
+    disk = report["sections"]["disk"]
+    assert disk["status"] == recon.BLOCK and disk["shards_left"] == 1
+    assert disk["needed_bytes"] == report["sections"]["workflow"]["shards"][0]["planned_tokens"] * disk_bytes_per_token(config)
+    assert report["verdict"]["blockers"][0].startswith("disk: too small")
+
+
+def disk_bytes_per_token(config: dict) -> int:
+    from eaglenest import plan
+
+    return plan.bytes_per_token(config["target"]["hidden_size"], len(plan.layer_ids(config)), config["extract"]["dtype"])
+
+
+def test_json_output_and_exit_status_of_the_cli(finished_run, capsys):
+    workdir, configfile = finished_run
+    code = cli.main(["recon", "--directory", str(workdir), "--configfile", str(configfile), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["verdict"]["ready"]
+    assert set(report["sections"]) == {"gpus", "servers", "workflow", "snakemake", "disk", "code"}
+    cli.main(["recon", "--directory", str(workdir), "--configfile", str(configfile)])
+    human = capsys.readouterr().out.splitlines()
+    assert len(human) <= 24 and human[-1].startswith("Next command:")

@@ -1,0 +1,96 @@
+"""The server launcher: plugin registration, readiness, and the workflow's sglang backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
+from eaglenest import extract, shards, sglang_client, sglang_launch, sglang_patch
+from test_sglang_protocol import start_standin
+
+
+def test_plugin_record_is_found_by_the_entry_point_loader_sglang_uses(tmp_path):
+    plugin_dir = sglang_launch.write_plugin_record(tmp_path)
+    capture = {"spool_dir": str(tmp_path / "spool"), "target": "t", "layer_ids": [2], "sglang_layer_ids": [1],
+               "architecture": "LlamaForCausalLM", "hidden_size": 8}
+    env = sglang_launch.server_environment(capture, plugin_dir)
+    # The same call as sglang 0.5.23's load_plugins_by_group, in a fresh interpreter.
+    probe = (
+        "from importlib.metadata import entry_points; import json, os;"
+        f"eps = entry_points(group={sglang_patch.PLUGIN_GROUP!r});"
+        "fn = [ep for ep in eps][0].load();"
+        "from eaglenest import sglang_patch;"
+        "print(json.dumps([[ep.name for ep in eps], fn is sglang_patch.register, sglang_patch.settings_from_env()]))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    names, is_register, settings = json.loads(result.stdout)
+    assert names == [sglang_patch.PLUGIN_NAME] and is_register and settings == capture
+
+
+def test_plugin_does_nothing_in_servers_not_started_by_the_launcher(monkeypatch):
+    monkeypatch.delenv(sglang_patch.SETTINGS_ENV, raising=False)
+    assert sglang_patch.register() is None  # would raise here: sglang is not installed
+
+
+def test_launcher_reports_a_server_that_exits_while_loading(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("RuntimeError: CUDA out of memory\n")
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    with pytest.raises(sglang_client.SglangServerError, match=r"exited with code 4 before it was ready(.|\n)*CUDA out of memory"):
+        sglang_launch.wait_until_ready("http://127.0.0.1:9", process, {"target": "t", "layer_ids": [2], "hidden_size": 8}, 60, log)
+
+
+def test_launcher_waits_until_the_server_answers_as_ours(tmp_path, tiny_llama):
+    process, url, spool = start_standin(tmp_path, tiny_llama)
+    try:
+        capture = {"target": "tiny-llama", "layer_ids": [2, 3, 4], "hidden_size": 64}
+        info = sglang_launch.wait_until_ready(url, process, capture, 60, tmp_path / "server.log")
+        assert info["server"] == sglang_patch.SERVER_KIND and info["spool_dir"] == str(spool)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_path, tiny_llama):
+    """The real Snakefile, backend sglang, against the stand-in server over HTTP."""
+    process, url, spool = start_standin(tmp_path, tiny_llama, layers=[2, 3, 3])
+    try:
+        conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+        workdir = tmp_path / "work"
+        workdir.mkdir()
+        sglang = {"url": url, "spool_dir": str(spool), "concurrency": 4, "backoff_s": 0.1}
+        configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
+        run_snakemake(workdir, configfile)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    hidden = sorted((workdir / "results" / "tiny" / "hidden").glob("shard-*.safetensors"))
+    assert len(hidden) == 4 and list(spool.iterdir()) == []
+    assert "backend': 'sglang'" in (workdir / "logs" / "tiny" / "extract" / "shard-00000.log").read_text()
+    for path in hidden:
+        direct = tmp_path / "direct" / path.name
+        (prepared,) = (workdir / "results" / "tiny" / "prepared").rglob(path.name)
+        extract.extract_shard(prepared, direct, tiny_llama, "tiny-llama", [2, 3, 3], device="cpu", check_disk=False, tokens_per_batch=1)
+        via_server, reference = shards.verify_shard(path).tensors(), shards.verify_shard(direct).tensors()
+        assert all(torch.equal(via_server[name], reference[name]) for name in shards.HIDDEN_TENSORS), path.name
+
+
+def test_dry_run_of_a_tensor_parallel_8_sglang_config_plans_gpu_resources(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    configfile = tiny_workflow_config(
+        tmp_path, tiny_llama, conversations,
+        extract={"backend": "sglang", "gpus_per_job": 8},
+    )
+    config = yaml.safe_load(configfile.read_text())
+    config["target"]["tensor_parallel"] = 8
+    configfile.write_text(yaml.safe_dump(config))
+    result = run_snakemake(tmp_path, configfile, "-n", "-p", "--cores", "all", "--resources", "gpu=8")
+    output = result.stdout + result.stderr
+    assert "rule extract_hidden_states" in output and "gpu=8" in output

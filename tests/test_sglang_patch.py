@@ -1,0 +1,288 @@
+"""The SGLang patch against the pinned sglang source, without importing sglang.
+
+sglang cannot be installed here (it pins torch 2.14.1 and GBs of CUDA kernels), but its
+wheel downloads without dependencies. These tests read its source: every symbol the
+patch replaces exists with the signature the replacement copies, the launcher's flags
+exist, and the pinned functions that decide layer ids and hidden-state rows are
+executed on CPU against our own functions.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import enum
+import functools
+import os
+import subprocess
+import sys
+import typing
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eaglenest import layer_ids, sglang_launch, sglang_patch
+
+CACHE = Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "wheels"
+
+
+@pytest.fixture(scope="session")
+def sglang_src(tmp_path_factory) -> Path:
+    """The pinned sglang package source (wheel downloaded once, cached)."""
+    pattern = f"sglang-{sglang_patch.SGLANG_VERSION}-*.whl"
+    wheels = sorted(CACHE.glob(pattern))
+    if not wheels:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(CACHE),
+             f"sglang=={sglang_patch.SGLANG_VERSION}"],
+            check=True,
+        )
+        wheels = sorted(CACHE.glob(pattern))
+    root = tmp_path_factory.mktemp("sglang-src")
+    with zipfile.ZipFile(wheels[0]) as archive:
+        archive.extractall(root, [name for name in archive.namelist() if name.startswith("sglang/") and name.endswith(".py")])
+    return root / "sglang"
+
+
+def module_file(src: Path, module: str) -> Path:
+    return src.parent / (module.replace(".", "/") + ".py")
+
+
+def find_node(tree: ast.Module, attr_path: str):
+    """The ast node of ``Class.method`` or a module-level def/assignment."""
+    *parents, name = attr_path.split(".")
+    body = tree.body
+    for parent in parents:
+        body = next(node.body for node in body if isinstance(node, ast.ClassDef) and node.name == parent)
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return node
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return node
+        if isinstance(node, ast.ImportFrom) and any((alias.asname or alias.name) == name for alias in node.names):
+            return node
+    raise LookupError(attr_path)
+
+
+def pinned_function(src: Path, module: str, attr_path: str, namespace: dict):
+    """Compile one function of the pinned source on its own, with ``namespace`` as globals."""
+    tree = ast.parse(module_file(src, module).read_text())
+    node = find_node(tree, attr_path)
+    code = compile(ast.Module(body=[node], type_ignores=[]), f"<sglang {module}.{attr_path}>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    scope = dict(namespace)
+    exec(code, scope)
+    return scope[node.name]
+
+
+def pinned_capture_hidden_mode(src: Path):
+    return pinned_function(src, "sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode", {"IntEnum": enum.IntEnum, "total_ordering": functools.total_ordering})
+
+
+@pytest.mark.parametrize("key", sorted(sglang_patch.PATCH_TARGETS))
+def test_every_symbol_the_patch_touches_exists_in_pinned_sglang(sglang_src, key):
+    module, attr_path = sglang_patch.PATCH_TARGETS[key]
+    tree = ast.parse(module_file(sglang_src, module).read_text())
+    assert find_node(tree, attr_path) is not None
+
+
+def _params(function_node: ast.FunctionDef) -> list[tuple[str, str]]:
+    args = function_node.args
+    return [(a.arg, "positional") for a in args.args] + [(a.arg, "keyword") for a in args.kwonlyargs]
+
+
+def test_replacement_keeps_the_pinned_append_prefill_signature(sglang_src):
+    module, attr_path = sglang_patch.PATCH_TARGETS["append_prefill"]
+    pinned = find_node(ast.parse(module_file(sglang_src, module).read_text()), attr_path)
+    ours = next(
+        node for node in ast.walk(ast.parse(Path(sglang_patch.__file__).read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == attr_path.split(".")[-1]
+    )
+    assert _params(ours) == _params(pinned)
+    assert [ast.unparse(d) if d else None for d in ours.args.kw_defaults] == [
+        ast.unparse(d) if d else None for d in pinned.args.kw_defaults
+    ]
+
+
+def test_pinned_sglang_carries_what_the_patch_reads_and_writes(sglang_src):
+    def text(module):
+        return module_file(sglang_src, module).read_text()
+
+    logits = text("sglang.srt.layers.logits_processor")
+    assert "    last_hidden_states: Optional[torch.Tensor] = None" in logits
+    # Under full capture with aux layers, hidden_states holds the packed aux states.
+    assert "hidden_states_to_store = pack_aux_hidden_states(aux_hidden_states)" in logits
+    assert "self.keep_last_hidden_states = features.aux_hidden_state_capture is not None" in logits
+    batch = text("sglang.srt.managers.schedule_batch")
+    assert "self.customized_info: Optional[Dict[str, List[Any]]] = None" in batch
+    assert "self.origin_input_ids = origin_input_ids" in batch
+    streamer = text("sglang.srt.managers.scheduler_components.output_streamer")
+    assert "is_request_level = self.is_request_level_customized_info_key(key)" in streamer
+    tokenizer = text("sglang.srt.managers.tokenizer_manager")
+    assert "meta_info[key] = accumulated" in tokenizer  # customized_info lands in meta_info
+    runner = text("sglang.srt.model_executor.model_runner")
+    # model_runner calls the name it imported, so the patch replaces it there.
+    assert "    configure_aux_hidden_state_capture,\n" in runner
+    assert "        configure_aux_hidden_state_capture(\n" in runner
+    scheduler = text("sglang.srt.managers.scheduler")
+    assert "get_parallel().pp_rank == 0\n            and get_parallel().attn_tp_rank == 0\n            and get_parallel().attn_cp_rank == 0" in scheduler
+    assert "    load_plugins()" in scheduler  # every scheduler process loads plugins
+    launcher = text("sglang.launch_server")
+    assert launcher.index("load_plugins()") < launcher.index("run_server(server_args)\n    finally")
+    plugins = text("sglang.srt.plugins.__init__")
+    assert f'GENERAL_PLUGINS_GROUP = "{sglang_patch.PLUGIN_GROUP}"' in plugins
+    assert "entry_points(group=group)" in plugins
+
+
+def test_every_launcher_flag_exists_in_pinned_server_args(sglang_src):
+    config = {
+        "run": "kimi", "target": {"name": "Kimi-K2.5", "path": "/models/kimi", "num_layers": 61, "hidden_size": 7168, "tensor_parallel": 8},
+        "extract": {"layer_ids": "default", "sglang": {"architecture": "KimiK25ForConditionalGeneration", "extra_args": ["--trust-remote-code"]}},
+    }
+    capture = sglang_launch.capture_settings(config)
+    command = sglang_launch.launch_command(config, capture, python="python")
+    fields = "\n".join(p.read_text() for p in (sglang_src / "srt" / "arg_groups" / "fields").glob("*.py"))
+    flags = [arg for arg in command if arg.startswith("--")]
+    for flag in flags:
+        assert f"    {flag[2:].replace('-', '_')}: A[" in fields, flag
+    assert "Setting this to -1 means disabling chunked prefill." in fields
+    validation = (sglang_src / "srt" / "arg_groups" / "validation_hook.py").read_text()
+    assert '"EAGLE3' in validation and "_AUX_HIDDEN_STATE_CAPTURE_METHODS" in validation
+
+
+ARCHITECTURE_SOURCES = {
+    "LlamaForCausalLM": "sglang.srt.models.llama",
+    "Qwen2ForCausalLM": "sglang.srt.models.qwen2",
+    "Qwen3ForCausalLM": "sglang.srt.models.qwen3",
+    "DeepseekV2ForCausalLM": "sglang.srt.models.deepseek_v2",
+}
+
+
+def run_pinned_set_eagle3(src, architecture, ids, num_layers):
+    function = pinned_function(src, ARCHITECTURE_SOURCES[architecture], f"{architecture}.set_eagle3_layers_to_capture",
+                               {"Optional": typing.Optional, "List": typing.List})
+    model = SimpleNamespace(
+        pp_group=SimpleNamespace(is_last_rank=True), config=SimpleNamespace(num_hidden_layers=num_layers),
+        model=SimpleNamespace(layers_to_capture=[]), capture_aux_hidden_states=False,
+    )
+    function(model, ids)
+    assert model.capture_aux_hidden_states
+    return model.model.layers_to_capture
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
+@pytest.mark.parametrize("hf_ids", [[2, 30, 58], [3, 7, 9], [2, 15, 27], [5]])
+def test_hf_ids_reach_pinned_sglang_as_the_same_layers(sglang_src, architecture, hf_ids):
+    sglang_ids = layer_ids.hf_to_sglang(hf_ids, architecture)
+    assert run_pinned_set_eagle3(sglang_src, architecture, sglang_ids, num_layers=61) == hf_ids
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
+@pytest.mark.parametrize("sglang_ids", [[1, 29, 57], [2, 30, 58], [0, 4], [1]])
+def test_our_mirror_of_the_sglang_convention_matches_pinned_source(sglang_src, architecture, sglang_ids):
+    assert layer_ids.sglang_captured_layers(sglang_ids, architecture) == run_pinned_set_eagle3(
+        sglang_src, architecture, sglang_ids, num_layers=61
+    )
+
+
+def test_kimi_k25_delegates_layer_capture_to_its_deepseek_v3_language_model(sglang_src):
+    kimi = module_file(sglang_src, "sglang.srt.models.kimi_k25").read_text()
+    node = find_node(ast.parse(kimi), "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture")
+    assert "self.language_model.set_eagle3_layers_to_capture(layer_ids)" in ast.unparse(node)
+    assert "self.language_model = DeepseekV3ForCausalLM(" in kimi
+    deepseek = ast.parse(module_file(sglang_src, "sglang.srt.models.deepseek_v2").read_text())
+    v3 = find_node(deepseek, "DeepseekV3ForCausalLM")
+    assert [ast.unparse(b) for b in v3.bases] == ["DeepseekV2ForCausalLM"] and isinstance(v3.body[0], ast.Pass)
+    # The production target: HF [2, 30, 58] for 61 layers; SpecForge configs write [1, 29, 57].
+    assert layer_ids.hf_to_sglang([2, 30, 58], "KimiK25ForConditionalGeneration") == [2, 30, 58]
+    assert layer_ids.sglang_to_hf([1, 29, 57], "KimiK25ForConditionalGeneration") == [2, 30, 58]
+    assert layer_ids.hf_to_sglang([2, 15, 27], "LlamaForCausalLM") == [1, 14, 26]  # SmolLM2
+
+
+def test_unreachable_hf_layers_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="turns a leading 1 into 2"):
+        layer_ids.hf_to_sglang([1, 30, 58], "DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="embeddings"):
+        layer_ids.hf_to_sglang([0, 3], "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="no SGLang layer-id convention known for architecture 'MistralForCausalLM'"):
+        layer_ids.hf_to_sglang([2, 3], "MistralForCausalLM")
+
+
+def make_batch(n_tokens, hidden=8, aux_layers=3):
+    torch.manual_seed(0)
+    return SimpleNamespace(
+        hidden_states=torch.randn(n_tokens, aux_layers * hidden, dtype=torch.bfloat16),
+        last_hidden_states=torch.randn(n_tokens, hidden, dtype=torch.bfloat16),
+    )
+
+
+def make_req(rid, ids, mode=True):
+    return SimpleNamespace(rid=rid, origin_input_ids=ids, return_hidden_states=mode, customized_info=None, hidden_states=[])
+
+
+def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src, tmp_path):
+    mode = pinned_capture_hidden_mode(sglang_src)
+    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
+    patched = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: True)
+    output = make_batch(12)
+    first, second = make_req("r-1", [5, 6, 7, 8, 9]), make_req("r-2", list(range(7)))
+    offset = patched(None, req=first, logits_output=output, hidden_state_offset=0, capture_hidden_mode=mode.FULL, extend_input_len=5)
+    offset = patched(None, req=second, logits_output=output, hidden_state_offset=offset, capture_hidden_mode=mode.FULL, extend_input_len=7)
+    assert offset == 12
+    for req, rows in ((first, slice(0, 5)), (second, slice(5, 12))):
+        (descriptor,) = req.customized_info[sglang_patch.SPOOL_KEY]
+        assert descriptor["path"] == str(tmp_path / f"{req.rid}.safetensors")
+        assert descriptor["aux_hidden"] == {"shape": [rows.stop - rows.start, 24], "dtype": "bfloat16"}
+        spooled = sglang_patch.read_spooled(descriptor["path"])
+        assert torch.equal(spooled["aux_hidden"], output.hidden_states[rows])
+        assert torch.equal(spooled["last_hidden"], output.last_hidden_states[rows])
+        assert spooled["input_ids"].tolist() == list(req.origin_input_ids)
+        assert req.hidden_states == []  # no JSON float lists
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r-1.safetensors", "r-2.safetensors"]
+
+
+def test_patched_prefill_leaves_last_token_requests_and_other_ranks_alone(sglang_src, tmp_path):
+    mode = pinned_capture_hidden_mode(sglang_src)
+    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
+    on_rank_1 = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: False)
+    output = make_batch(4)
+    req = make_req("r-9", [1, 2, 3, 4])
+    assert on_rank_1(None, req=req, logits_output=output, hidden_state_offset=0, capture_hidden_mode=mode.FULL, extend_input_len=4) == 4
+    assert req.customized_info is None and list(tmp_path.iterdir()) == []
+    # return_hidden_states="last" keeps SGLang's own (pinned) behaviour: the last row as a list.
+    last_req = make_req("r-10", [1, 2, 3, 4], mode="last")
+    on_rank_1(None, req=last_req, logits_output=output, hidden_state_offset=0, capture_hidden_mode=mode.FULL, extend_input_len=4)
+    assert last_req.hidden_states == [output.hidden_states[3].tolist()]
+
+
+def test_a_partial_prefill_is_reported_not_spooled(tmp_path):
+    aux, last = torch.zeros(3, 6), torch.zeros(3, 2)
+    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3, 4, 5], aux, last)
+    assert "radix cache or chunked prefill is on" in descriptor["error"]
+    assert list(tmp_path.iterdir()) == []
+    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3], aux, None)
+    assert "no last hidden states" in descriptor["error"]
+
+
+def test_request_ids_that_are_not_plain_file_names_are_refused(tmp_path):
+    for rid in ("../escape", "a/b", "", ".hidden", "x" * 201):
+        with pytest.raises(ValueError, match="not usable as a spool file name"):
+            sglang_patch.spool_path(tmp_path, rid)
+    assert sglang_patch.spool_path(tmp_path, "eaglenest-shard-00003-7-ab12") == tmp_path / "eaglenest-shard-00003-7-ab12.safetensors"
+
+
+def test_load_time_check_stops_a_server_capturing_other_layers():
+    kimi = SimpleNamespace(language_model=SimpleNamespace(model=SimpleNamespace(layers_to_capture=[2, 30, 58])))
+    sglang_patch.check_captured_layers(kimi, [2, 30, 58])
+    llama = SimpleNamespace(model=SimpleNamespace(layers_to_capture=[3, 16, 28]))
+    with pytest.raises(sglang_patch.CaptureError, match=r"captures layers \[3, 16, 28\] but eaglenest asked for HF layers \[2, 15, 27\]"):
+        sglang_patch.check_captured_layers(llama, [2, 15, 27])
+
+
+def test_request_level_key_wrapper_marks_only_our_key():
+    wrapped = sglang_patch.make_is_request_level_key(lambda self, key: key == "theirs")
+    assert wrapped(None, sglang_patch.SPOOL_KEY) and wrapped(None, "theirs") and not wrapped(None, "other")

@@ -1,0 +1,168 @@
+"""The shard client against a real HTTP server on 127.0.0.1: the stand-in patched server.
+
+Each test starts eaglenest.standin_server as its own process (a tiny random-weight
+Llama computed with transformers), so crashes are real process deaths and every
+request crosses a real socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglenest import extract, shards, sglang_client
+
+TARGET = "tiny-llama"
+LAYERS = [2, 3, 4]
+HIDDEN = 64
+
+
+def start_standin(tmp_path: Path, model: Path, *extra: str, target: str = TARGET, layers=LAYERS) -> tuple[subprocess.Popen, str, Path]:
+    spool = tmp_path / "spool"
+    ready = tmp_path / f"ready-{len(list(tmp_path.glob('ready-*')))}.json"
+    command = [
+        sys.executable, "-m", "eaglenest.standin_server", "--model", str(model), "--target", target,
+        "--layer-ids", *map(str, layers), "--spool-dir", str(spool), "--port", "0", "--ready-file", str(ready), *extra,
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if process.poll() is not None:
+            raise AssertionError(f"stand-in server exited: {process.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("stand-in server did not start in 120 s")
+        time.sleep(0.1)
+    return process, json.loads(ready.read_text())["url"], spool
+
+
+@pytest.fixture
+def standin(tmp_path, tiny_llama):
+    started = []
+
+    def start(*extra, **kwargs):
+        process, url, spool = start_standin(tmp_path, tiny_llama, *extra, **kwargs)
+        started.append(process)
+        return process, url, spool
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+@pytest.fixture
+def prepared_shard(tmp_path) -> Path:
+    """A prepared shard of 6 samples with random token ids of varied lengths."""
+    rng = random.Random(0)
+    samples = []
+    for i in range(6):
+        n = rng.randint(5, 90)
+        samples.append({
+            "sample_id": f"synthetic/{i}",
+            "input_ids": [rng.randrange(3, 300) for _ in range(n)],
+            "loss_mask": [rng.randint(0, 1) for _ in range(n)],
+        })
+    path = tmp_path / "prepared" / shards.shard_name(0)
+    path.parent.mkdir()
+    shards.write_prepared_shard(path, 0, samples, {"target": TARGET})
+    return path
+
+
+def client_kwargs(spool: Path, **overrides) -> dict:
+    kwargs = dict(
+        target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=6, dtype="bfloat16",
+        spool_dir=str(spool), concurrency=3, request_timeout_s=60, retries=1, backoff_s=0.05,
+        max_consecutive_failures=3, check_disk=False,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def assert_no_shard_left(hidden_dir: Path) -> None:
+    assert not list(hidden_dir.glob("shard-*")), list(hidden_dir.iterdir())
+
+
+def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama):
+    _, url, spool = standin()
+    via_server = tmp_path / "hidden-sglang" / shards.shard_name(0)
+    stats = sglang_client.extract_shard_via_server(prepared_shard, via_server, url, **client_kwargs(spool))
+    assert stats["samples"] == 6
+    direct = tmp_path / "hidden-transformers" / shards.shard_name(0)
+    # One sample per forward on both sides: padding a sample into a longer batch changes
+    # the fp32 GEMM blocking and so the last bits (measured: up to 2.6e-8), not the contract.
+    extract.extract_shard(prepared_shard, direct, tiny_llama, TARGET, LAYERS, device="cpu", check_disk=False, tokens_per_batch=1)
+
+    expect = {"kind": "hidden", "target": TARGET, "layer_ids": LAYERS, "dtype": "bfloat16"}
+    server_shard = shards.verify_shard(via_server, deep=True, expect=expect).tensors()
+    direct_shard = shards.verify_shard(direct, deep=True, expect=expect).tensors()
+    for name in shards.HIDDEN_TENSORS:
+        assert torch.equal(server_shard[name], direct_shard[name]), name
+    assert list(spool.iterdir()) == []  # every spool file was consumed
+
+
+def test_client_refuses_a_vllm_server_on_the_port(standin, prepared_shard, tmp_path):
+    _, url, spool = standin("--impersonate", "vllm")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match=r"vLLM OpenAI server serving \['tiny-llama'\]"):
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool))
+    assert_no_shard_left(hidden.parent)
+
+
+def test_client_refuses_an_sglang_server_without_the_patch(standin, prepared_shard, tmp_path):
+    _, url, spool = standin("--impersonate", "sglang")
+    with pytest.raises(sglang_client.SglangServerError, match="SGLang server without the eaglenest patch"):
+        sglang_client.extract_shard_via_server(prepared_shard, tmp_path / "hidden" / "shard-00000.safetensors", url, **client_kwargs(spool))
+
+
+def test_client_refuses_a_patched_server_with_other_layers_or_target(standin, prepared_shard, tmp_path):
+    _, url, spool = standin(layers=[1, 3, 4])
+    with pytest.raises(sglang_client.SglangServerError, match=r"layer_ids: server has \[1, 3, 4\], config wants \[2, 3, 4\]"):
+        sglang_client.check_server(url, TARGET, LAYERS, HIDDEN)
+    with pytest.raises(sglang_client.SglangServerError, match="target: server has 'tiny-llama', config wants 'Kimi-K2.5'"):
+        sglang_client.check_server(url, "Kimi-K2.5", [1, 3, 4], HIDDEN)
+
+
+def test_client_names_the_url_when_no_server_listens(prepared_shard, tmp_path):
+    with pytest.raises(sglang_client.SglangServerError, match=r"no server answers at http://127.0.0.1:9"):
+        sglang_client.check_server("http://127.0.0.1:9", TARGET, LAYERS, HIDDEN)
+
+
+def test_server_dying_mid_shard_fails_cleanly_without_partial_shard(standin, prepared_shard, tmp_path):
+    process, url, spool = standin("--exit-after", "3")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match=rf"SGLang server at {url} failed 3 requests in a row"):
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool, concurrency=1, retries=5))
+    assert process.wait(timeout=10) == 3  # it really died
+    assert_no_shard_left(hidden.parent)
+    assert list(hidden.parent.iterdir()) == []  # no temp file either
+    assert list(spool.iterdir()) == []  # the 3 answered samples' spool files were consumed
+
+
+def test_slow_server_times_out_with_a_clear_error(standin, prepared_shard, tmp_path):
+    _, url, spool = standin("--delay-s", "3")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match=r"timed out"):
+        sglang_client.extract_shard_via_server(
+            prepared_shard, hidden, url, **client_kwargs(spool, request_timeout_s=0.5, concurrency=2, max_consecutive_failures=2)
+        )
+    assert_no_shard_left(hidden.parent)
+
+
+def test_shape_mismatch_from_the_server_is_refused(standin, prepared_shard, tmp_path):
+    _, url, spool = standin("--drop-rows", "2")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match=r"returned aux \(\d+, 192\) / last \(\d+, 64\) for sample \d+ of \d+ tokens"):
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool))
+    assert_no_shard_left(hidden.parent)
+    assert list(spool.iterdir()) == []

@@ -1,0 +1,243 @@
+"""Drafter training: loader packing and shuffling, TTT targets, resume after SIGKILL, DDP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglenest import consolidate, loader, shards, train
+
+LAYER_IDS = [1, 3, 4]
+EXPECT = {"target": "tiny-llama", "layer_ids": LAYER_IDS, "dtype": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_llama, tmp_path_factory) -> dict:
+    """Hidden shards of the tiny random Llama, made by running it, then consolidated."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-run")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    # Random init gives near-uniform next-token distributions; a larger (tied) embedding makes
+    # them peaked, like a trained model's, so that there is something to learn.
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(60)
+    target_path = root / "target"
+    model.save_pretrained(str(target_path))
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = model.config.vocab_size
+    hidden_paths, prepared_paths = [], []
+    for shard_id in range(3):
+        samples = []
+        for k in range(6):
+            length = int(torch.randint(12, 40, (1,), generator=generator))
+            # a repetitive source so that a drafter has something to learn
+            base = torch.randint(3, vocab_size, (4,), generator=generator)
+            ids = base.repeat(length // 4 + 1)[:length].tolist()
+            mask = [0] * 4 + [1] * (length - 4)
+            samples.append({"sample_id": f"s:{shard_id}:{k}", "input_ids": ids, "loss_mask": mask})
+        name = shards.shard_name(shard_id)
+        prepared = root / "prepared" / name
+        shards.write_prepared_shard(prepared, shard_id, samples, {"target": "tiny-llama"})
+        aux, last = [], []
+        with torch.no_grad():
+            for sample in samples:
+                out = model(torch.tensor([sample["input_ids"]]), output_hidden_states=True)
+                aux.append(torch.cat([out.hidden_states[i][0] for i in LAYER_IDS], -1))
+                last.append(out.hidden_states[-1][0])
+        hidden = root / "hidden" / name
+        shards.write_hidden_shard(
+            hidden, shards.ShardReader.open(prepared), torch.cat(aux).bfloat16(), torch.cat(last).bfloat16(),
+            {"target": "tiny-llama", "target_hidden_size": 64, "layer_ids": LAYER_IDS, "dtype": "bfloat16"},
+        )
+        hidden_paths.append(str(hidden))
+        prepared_paths.append(str(prepared))
+    out = root / "consolidated"
+    consolidate.consolidate(
+        hidden_paths, prepared_paths, out / "index.json", out / "draft_vocab.safetensors", out / "split.json",
+        target_vocab_size=vocab_size, draft_vocab_size=64, expect=EXPECT, val_fraction=0.2, seed=0,
+    )
+    return {
+        "index_path": str(out / "index.json"),
+        "draft_vocab_path": str(out / "draft_vocab.safetensors"),
+        "split_path": str(out / "split.json"),
+        "target_path": str(target_path),
+        "target_name": "tiny-llama",
+        "expect": EXPECT,
+    }
+
+
+SETTINGS = {"epochs": 3, "token_budget": 64, "rows_per_step": 2, "ttt_length": 3, "lr": 3e-3, "warmup_steps": 2,
+            "threads": 1, "checkpoint_every": 2, "keep_checkpoints": 2, "val_every": 0}
+
+
+def arguments(run: dict, tmp_path: Path, **settings) -> dict:
+    return {**run, "out_dir": str(tmp_path / "drafter"), "checkpoint_dir": str(tmp_path / "checkpoints"),
+            "settings": {**SETTINGS, **settings}}
+
+
+# ---- loader -----------------------------------------------------------------------------------------------
+
+
+def test_epoch_packs_every_train_sample_once_within_the_token_budget(tiny_run):
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    steps = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
+    seen = [i for step in steps for row in step for i in row]
+    assert sorted(seen) == list(range(len(dataset.samples)))
+    assert all(sum(dataset.samples[i].length for i in row) <= 64 for step in steps for row in step)
+    assert all(len(step) <= 2 for step in steps)
+
+
+def test_shuffle_is_a_function_of_seed_and_epoch(tiny_run):
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    order = lambda seed, epoch: loader.epoch_steps(dataset, 64, 2, seed, epoch)  # noqa: E731
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+
+
+def test_sample_longer_than_the_budget_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="raise the budget"):
+        loader.pack_rows([10, 80, 5], token_budget=64)
+
+
+def test_packed_batch_restarts_positions_and_pads_with_no_loss(tiny_run):
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    row = [0, 1]
+    batch = loader.RowReader(dataset).batch([row], pad_to=100)
+    first, second = (dataset.samples[i].length for i in row)
+    assert batch["position_ids"][0, first].item() == 0
+    assert batch["segment_ids"][0, :first].eq(0).all() and batch["segment_ids"][0, first : first + second].eq(1).all()
+    assert batch["segment_ids"][0, first + second :].eq(-1).all()
+    assert not batch["loss_mask"][0, first + second :].any()
+    assert batch["tokens"].item() == first + second
+
+
+def test_changed_shard_is_refused_by_the_loader(tiny_run, tmp_path):
+    index = json.loads(Path(tiny_run["index_path"]).read_text())
+    index["shards"][0]["checksums"]["aux_hidden"] = "0" * 64
+    edited = tmp_path / "index.json"
+    edited.write_text(json.dumps(index))
+    with pytest.raises(shards.ShardError, match="changed since consolidation"):
+        loader.open_split(edited, tiny_run["split_path"], "train", EXPECT)
+
+
+# ---- TTT targets ------------------------------------------------------------------------------------------
+
+
+def test_positions_count_only_masked_in_vocab_tokens_of_the_same_sample():
+    batch = {
+        "segment_ids": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, -1]]),
+        "loss_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool),
+    }
+    in_draft = torch.tensor([[True, True, False, True, True, True, True, True, True, False]])
+    step0, step1 = train.step_positions(batch, in_draft, 2)
+    # step 0 at t predicts x_{t+2} with the target at t+1 as label: t=1 loses (target at 2 is
+    # outside the draft vocab), t=3, 4 cross into sample 1, t=7 runs into padding
+    assert step0.tolist() == [0, 2, 5, 6]
+    # step 1 at t predicts x_{t+3} with the target at t+2: t=0 loses (target at 2), t=4 crosses
+    assert step1.tolist() == [1, 5]
+
+
+def test_target_head_never_builds_full_vocab_logits_for_more_than_a_chunk(tiny_run):
+    from eaglenest import vocab
+
+    draft = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    head = train.TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32, chunk_elements=320 * 4)
+    assert head.chunk_rows == 4
+    hidden = torch.randn(10, 64)
+    probs, in_draft = head(hidden)
+    full = hidden @ head.full.T
+    assert torch.equal(in_draft, draft["t2d"][full.argmax(-1)])
+    torch.testing.assert_close(probs, full[:, draft["t2d"]].softmax(-1))
+
+
+# ---- training, checkpoints, resume -------------------------------------------------------------------------
+
+
+def test_training_lowers_the_loss_and_writes_the_drafter(tiny_run, tmp_path):
+    summary = train.train(**arguments(tiny_run, tmp_path, epochs=6))
+    curve = json.loads((tmp_path / "drafter" / "training_curve.json").read_text())
+    losses = [r["loss"] for r in curve["train"]]
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3])
+    assert len(curve["val"][-1]["acc"]) == 3 and summary["final_val_acc"] == curve["val"][-1]["acc"]
+    assert 0 <= summary["data_wait_fraction"] < 1
+    names = set(load_file(str(tmp_path / "drafter" / "model.safetensors")))
+    assert {"embed_tokens.weight", "fc.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    assert len(list((tmp_path / "checkpoints").glob("step-*.pt"))) == 2  # rotation kept the newest two
+
+
+def test_checkpoints_of_other_settings_are_refused(tiny_run, tmp_path):
+    train.train(**arguments(tiny_run, tmp_path, epochs=1))
+    with pytest.raises(ValueError, match="other training settings"):
+        train.train(**arguments(tiny_run, tmp_path, epochs=1, lr=1e-4))
+
+
+def run_worker(args: dict, args_file: Path, env=None) -> subprocess.Popen:
+    args_file.write_text(json.dumps(args))
+    return subprocess.Popen([sys.executable, "-m", "eaglenest.train", str(args_file)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+
+def final_weights(directory: Path) -> dict:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def test_run_killed_with_sigkill_resumes_to_bitwise_identical_weights(tiny_run, tmp_path):
+    settings = {"epochs": 6, "checkpoint_every": 3, "keep_checkpoints": 3}
+    whole = arguments(tiny_run, tmp_path / "whole", **settings)
+    assert run_worker(whole, tmp_path / "whole.json").wait(timeout=600) == 0
+
+    killed = arguments(tiny_run, tmp_path / "killed", **settings)
+    worker = run_worker(killed, tmp_path / "killed.json")
+    checkpoints = Path(killed["checkpoint_dir"])
+    deadline = time.time() + 300
+    while not list(checkpoints.glob("step-*.pt")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert worker.poll() is None, "the run finished before it could be killed"
+    time.sleep(0.3)  # land somewhere between checkpoints
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    assert not (Path(killed["out_dir"]) / "model.safetensors").exists()
+    resumed_from = max(int(p.stem.split("-")[1]) for p in checkpoints.glob("step-*.pt"))
+    assert run_worker(killed, tmp_path / "killed.json").wait(timeout=600) == 0
+
+    expected, got = final_weights(Path(whole["out_dir"])), final_weights(Path(killed["out_dir"]))
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    curve = json.loads((Path(killed["out_dir"]) / "training_curve.json").read_text())
+    assert curve["summary"]["resumed_from_step"] == resumed_from > 0
+    assert [r["step"] for r in curve["train"]] == list(range(1, curve["summary"]["steps"] + 1))
+
+
+def test_two_gloo_processes_follow_the_one_process_loss_trajectory(tiny_run, tmp_path):
+    settings = {"epochs": 2, "rows_per_step": 4}
+    one = arguments(tiny_run, tmp_path / "one", **settings)
+    train.launch(one, processes=1)
+    two = arguments(tiny_run, tmp_path / "two", **settings)
+    env_backup = dict(os.environ)
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        train.launch(two, processes=2)
+    finally:
+        os.environ.clear()
+        os.environ.update(env_backup)
+    curve_one = json.loads((Path(one["out_dir"]) / "training_curve.json").read_text())
+    curve_two = json.loads((Path(two["out_dir"]) / "training_curve.json").read_text())
+    assert curve_two["summary"]["processes"] == 2
+    losses_one = torch.tensor([r["loss"] for r in curve_one["train"]])
+    losses_two = torch.tensor([r["loss"] for r in curve_two["train"]])
+    assert len(losses_one) == len(losses_two) > 3
+    torch.testing.assert_close(losses_two, losses_one, rtol=1e-4, atol=1e-5)
+    assert [r["positions"] for r in curve_one["train"]] == [r["positions"] for r in curve_two["train"]]
+    w1, w2 = final_weights(Path(one["out_dir"])), final_weights(Path(two["out_dir"]))
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-3, atol=1e-5, msg=name)
