@@ -14,6 +14,7 @@ include: "rules/extract.smk"
 include: "rules/consolidate.smk"
 include: "rules/train.smk"
 include: "rules/export.smk"
+include: "rules/evaluate.smk"
 
 
 rule all:

@@ -47,7 +47,7 @@ STAGE_BY_DIR = {
     "consolidated": "consolidate",
     "train": "train",
     "export": "export",
-    "eval": "evaluate",
+    "evaluate": "evaluate",
 }
 
 
@@ -217,15 +217,16 @@ def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflig
         workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
         tally.fault("disk_full_preflight" if preflight else "disk_full_write")
         result = workflow.resume(tally)
+        failed = result.returncode != 0
         output = result.stdout + result.stderr + _logs(workflow)
-        clear = ("disk preflight" in output) if preflight else ("disk full while writing" in output)
+        clear = failed and (("disk preflight" in output) if preflight else ("disk full while writing" in output))
         partial = list(mount_point.rglob(f"*{atomic.TMP_MARKER}*"))
         subprocess.run(["mount", "-o", "remount,size=512m", str(mount_point)], check=True)
         settings["extract"]["preflight"] = True
         workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
         result = workflow.resume(tally)
         outputs = final_outputs(workflow)
-        return {"failed": tally.runs_completed >= 0 and not clear is False, "clear_message": clear,
+        return {"failed": failed, "clear_message": clear,
                 "partial_files_left": len(partial), "completed_after_space": result.returncode == 0,
                 "outputs": outputs}
     finally:
@@ -290,6 +291,9 @@ def tiny_setup(workdir: Path, conversations: int) -> Path:
     config["data"].update(sources=[{"name": "synthetic", "path": str(source)}], max_conversations=conversations, samples_per_shard=8, max_len=256)
     config["extract"].update(disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
     config["consolidate"]["draft_vocab_size"] = 64
+    # Seconds of training on the tiny target; the checkpoints make kills during training count.
+    config["train"] = dict(config.get("train", {}), epochs=1, token_budget=256, rows_per_step=2, ttt_length=2,
+                           warmup_steps=1, threads=1, checkpoint_every=3)
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

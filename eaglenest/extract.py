@@ -138,6 +138,9 @@ class PackedSegments:
     cu_seqlens: torch.Tensor | None = None  # int32 on the device, for the varlen kernel
 
 
+_VARLEN_FAILED: list[str] = []
+
+
 @functools.lru_cache(maxsize=1)
 def _varlen_kernel():
     """torch's varlen flash attention and how to ask it for causal attention, or None."""
@@ -161,7 +164,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise NotImplementedError("packed extraction does not handle sliding-window layers; use layout padded")
     heads, kv_heads = query.shape[1], key.shape[1]
     kernel = _varlen_kernel() if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) else None
-    if kernel is not None and segments.cu_seqlens is not None:
+    if kernel is not None and segments.cu_seqlens is not None and not _VARLEN_FAILED:
         varlen_attn, causal, native_gqa = kernel
         q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
         gqa = {}
@@ -171,8 +174,13 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
             else:
                 k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
         cu = segments.cu_seqlens
-        out = varlen_attn(q, k, v, cu, cu, segments.max_len, segments.max_len, scale=scaling, **causal, **gqa)
-        return out.unsqueeze(0), None
+        try:
+            out = varlen_attn(q, k, v, cu, cu, segments.max_len, segments.max_len, scale=scaling, **causal, **gqa)
+            return out.unsqueeze(0), None
+        except (RuntimeError, TypeError, NotImplementedError) as error:
+            # Same result, slower: one attention call per sample. Said once, in the job log.
+            log.warning("varlen flash attention unavailable (%s); attending one sample at a time", error)
+            _VARLEN_FAILED.append(str(error))
     # Elsewhere (CPU, fp32): the same attention one sample at a time, with the kernel the
     # padded layout uses, so a sample's result does not depend on its neighbours.
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -369,11 +377,12 @@ def stream_hidden_states(
     batches = packed_batches(counts, tokens_per_batch)
     capture = AuxCapture(model, layer_ids)
     base = _base_model(model)
-    staging = None
+    staging, setup_started = None, time.perf_counter()
     if on_cuda and batches:
         max_rows = max(sum(counts[i] for i in batch) for batch in batches)
         probe = to_storage(torch.zeros(1, groups * hidden), torch.zeros(1, hidden), dtype, groups)
         staging = _HostStaging({n: (t.shape[1], t.dtype) for n, t in probe.items()}, max_rows, depth)
+    setup_s = time.perf_counter() - setup_started
     in_flight: list[list] = [[] for _ in range(depth)]
     finite = torch.ones((), dtype=torch.bool, device=device)
     busy_events, waited, first_token = [], 0.0, 0
@@ -409,7 +418,7 @@ def stream_hidden_states(
             raise ValueError(f"{writer.path}: the target produced non-finite hidden states; nothing was written")
     finally:
         capture.remove()
-    stats = {"batches": len(batches), "wait_for_disk_s": round(waited, 3)}
+    stats = {"batches": len(batches), "wait_for_disk_s": round(waited, 3), "pinned_setup_s": round(setup_s, 3)}
     if busy_events:
         torch.cuda.synchronize()
         stats["gpu_busy_s"] = round(sum(a.elapsed_time(b) for a, b in busy_events) / 1000, 3)

@@ -34,8 +34,16 @@ class NoFreeSlotError(TimeoutError):
 
 
 def default_lock_dir() -> Path:
-    """Node-wide, so that two workflow runs on one node share the pool."""
-    return Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "eaglenest-gpu-slots")
+    """Node-wide, so that two workflow runs on one node share the pool.
+
+    Inside a Slurm allocation the pool is that allocation's: Slurm renumbers the GPUs
+    it hands each job from 0, so two allocations' "GPU 0" are different devices.
+    """
+    if os.environ.get(LOCK_DIR_ENV):
+        return Path(os.environ[LOCK_DIR_ENV])
+    slurm_job = os.environ.get("SLURM_JOB_ID")
+    name = f"eaglenest-gpu-slots-slurm-{slurm_job}" if slurm_job else "eaglenest-gpu-slots"
+    return Path(tempfile.gettempdir()) / name
 
 
 def node_devices() -> list[str]:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from eaglenest import shards
 
@@ -75,7 +74,10 @@ def open_split(index_path, split_path, split: str, expect: dict | None = None) -
                 samples.append(SampleRef(len(paths) - 1, start, start + count, sample_id))
             start += count
     if not samples:
-        raise ValueError(f"{split_path}: the {split!r} split has no samples in {index_path}")
+        raise ValueError(
+            f"{split_path}: the {split!r} split has no samples in {index_path} "
+            "(too few conversations for consolidate.val_fraction?)"
+        )
     return Dataset(paths, samples, hidden_size, layer_ids)
 
 
@@ -110,7 +112,7 @@ def epoch_steps(dataset: Dataset, token_budget: int, rows_per_step: int, seed: i
 
 
 class RowReader:
-    """Slices of one split's shards, read through memory-mapped safetensors handles."""
+    """Slices of one split's shards, read through memory-mapped handles (eaglenest.shards.RowSource)."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -118,12 +120,12 @@ class RowReader:
 
     def _handle(self, shard: int):
         if shard not in self._handles:
-            self._handles[shard] = safe_open(self.dataset.shard_paths[shard], framework="pt")
+            self._handles[shard] = shards.RowSource(self.dataset.shard_paths[shard])
         return self._handles[shard]
 
     def read(self, ref: SampleRef) -> dict[str, torch.Tensor]:
         handle = self._handle(ref.shard)
-        return {name: handle.get_slice(name)[ref.start : ref.stop] for name in ROW_TENSORS}
+        return handle.rows(ROW_TENSORS, ref.start, ref.stop)
 
     def batch(self, rows: list[list[int]], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """Packed rows -> padded tensors [B, T(, width)]; segment_ids -1 and loss_mask 0 on padding."""

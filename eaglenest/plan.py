@@ -8,6 +8,7 @@ Token counts come from the prepare report once prepare has run, and from the con
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -33,6 +34,35 @@ def layer_ids(config: dict) -> list[int]:
             "(HF convention: id i is the input of decoder layer i)"
         )
     return ids
+
+
+def sample_selection(config: dict) -> dict:
+    """Every setting that decides which samples (and tokens) land in which shard.
+
+    Source names, not paths: moving the data to another disk changes no shard.
+    """
+    data = config["data"]
+    return {
+        "sources": [s["name"] for s in data["sources"]],
+        "max_conversations": data["max_conversations"],
+        "samples_per_shard": data["samples_per_shard"],
+        "leading_assistant": data.get("leading_assistant", "drop_turn"),
+        "max_len": data["max_len"],
+    }
+
+
+def prepared_key(config: dict) -> str:
+    """Short hash of everything that decides what prepare writes (sample selection, target).
+
+    Prepared shards live under results/<run>/prepared/<key>/: a change of these settings
+    makes new paths, so the extraction of every shard is planned again, while a prepare
+    job that reruns without a content change (a touched source, a deleted prepared shard)
+    rewrites the same paths, which extraction reads as ancient() and so ignores
+    (docs/reruns.md).
+    """
+    settings = dict(sample_selection(config), target=config["target"]["name"])
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def num_shards(config: dict) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import re
@@ -50,7 +49,7 @@ LATER_STAGES = {
     "checkpoints": ("train", Path("train") / "checkpoints"),
     "drafter": ("train", Path("train") / "drafter"),
     "export": ("export", Path("export")),
-    "eval": ("evaluate", Path("eval")),
+    "eval": ("evaluate", Path("evaluate")),
 }
 NVIDIA_SMI_GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
 NVIDIA_SMI_APPS_QUERY = "gpu_uuid,pid,process_name,used_memory"
@@ -570,23 +569,8 @@ def _run_dir(workdir: Path, config: dict) -> Path:
 
 
 def prepared_key(config: dict) -> str:
-    """The directory key of prepared shards, as rules/common.smk's prepared_key() makes it.
-
-    Prepared shards live under results/<run>/prepared/<key>/, the key a hash of the
-    settings that choose each shard's samples; recon must look where the workflow writes.
-    """
-    if hasattr(plan, "prepared_key"):
-        return plan.prepared_key(config)
-    data = config["data"]
-    settings = {
-        "sources": [s["name"] for s in data["sources"]],
-        "max_conversations": data["max_conversations"],
-        "samples_per_shard": data["samples_per_shard"],
-        "leading_assistant": data["leading_assistant"],
-        "max_len": data["max_len"],
-        "target": config["target"]["name"],
-    }
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    """Where the workflow writes prepared shards: results/<run>/prepared/<key>/."""
+    return plan.prepared_key(config)
 
 
 def _shard_name(shard_id: int) -> str:

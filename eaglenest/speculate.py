@@ -190,7 +190,7 @@ def draft_distribution(drafter: Eagle3Drafter, logits: torch.Tensor, temperature
     """The drafter's tempered distribution moved from draft ids to target ids ([..., V])."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     out = torch.zeros(*probs.shape[:-1], vocab_size, dtype=probs.dtype, device=probs.device)
-    ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=logits.device))
+    ids = drafter.draft_to_target(torch.arange(logits.shape[-1], device=drafter.d2t.device)).to(logits.device)
     out[..., ids] = probs
     return out
 
@@ -216,9 +216,11 @@ def build_draft_tree(
     def add_children(parent: int, logits: torch.Tensor, parent_score: float) -> list[int]:
         logp = torch.log_softmax(logits.float(), dim=-1)
         if sample_chain:
-            draft_id = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1, generator=generator)
-            q = draft_distribution(drafter, logits, temperature, vocab_size)
-            picks = [(int(drafter.draft_to_target(draft_id)), float(logp[draft_id]), q)]
+            # Sampling runs on the CPU with a CPU generator, wherever the models run.
+            cpu_logits = logits.float().cpu()
+            draft_id = torch.multinomial(torch.softmax(cpu_logits / temperature, dim=-1), 1, generator=generator)
+            q = draft_distribution(drafter, cpu_logits, temperature, vocab_size)
+            picks = [(int(drafter.draft_to_target(draft_id.to(logits.device))), float(logp[int(draft_id)]), q)]
         else:
             top = torch.topk(logp, drafting.topk)
             ids = drafter.draft_to_target(top.indices)
@@ -345,7 +347,7 @@ class SpeculativeDecoder:
     def _pick(self, logits: torch.Tensor, temperature: float, generator) -> int:
         if temperature == 0:
             return int(logits.argmax())
-        return int(torch.multinomial(torch.softmax(logits.double() / temperature, dim=-1), 1, generator=generator))
+        return int(torch.multinomial(torch.softmax(logits.double().cpu() / temperature, dim=-1), 1, generator=generator))
 
     @torch.inference_mode()
     def generate(
@@ -412,7 +414,7 @@ class SpeculativeDecoder:
                 token = int(row.argmax())
                 chosen = next((c for c in children if tree.tokens[c] == token), None)
             else:
-                probs = torch.softmax(row.double() / temperature, dim=-1)
+                probs = torch.softmax(row.double().cpu() / temperature, dim=-1)
                 index, token = speculative_accept(
                     probs, [tree.tokens[c] for c in children], [tree.draft_probs[c] for c in children], generator
                 )

@@ -282,7 +282,20 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
 # ---- the loop ----------------------------------------------------------------------------------------------
 
 
-def train(
+def train(*args, **kwargs) -> dict:
+    """Train (or resume) a drafter; see :func:`_train` for the arguments.
+
+    Process-wide torch settings (threads, deterministic algorithms) are restored afterwards.
+    """
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        return _train(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _train(
     index_path,
     draft_vocab_path,
     split_path,

@@ -1,6 +1,4 @@
 # Helpers and input functions for every rule; rule files hold rules only.
-import hashlib
-import json
 import sys
 from pathlib import Path
 
@@ -32,21 +30,8 @@ def benchmark_path(*parts):
     return str(Path("benchmarks") / "jobs" / config["run"] / Path(*parts))
 
 
-def prepared_key():
-    """Short hash of everything that decides what prepare writes (sample selection, target).
-
-    Prepared shards live under prepared/<key>/: a change of these settings makes new
-    paths, so the extraction of every shard is planned again, while a prepare job that
-    reruns without a content change (a touched source, a deleted prepared shard) rewrites
-    the same paths, which extraction reads as ancient() and so ignores.
-    """
-    settings = dict(sample_selection(), target=config["target"]["name"])
-    blob = json.dumps(settings, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
-
-
 def prepared_path(*parts):
-    return run_path("prepared", prepared_key(), *parts)
+    return run_path("prepared", plan.prepared_key(config), *parts)
 
 
 def prepared_shards():
@@ -86,29 +71,6 @@ def embedded_sources():
     return [s for s in config["data"]["sources"] if s.get("embedded") == "sharegpt"]
 
 
-def sample_selection():
-    """Every setting that decides which samples (and tokens) land in which shard.
-
-    Source names, not paths: moving the data to another disk changes no shard.
-    """
-    data = config["data"]
-    return {
-        "sources": [s["name"] for s in data["sources"]],
-        "max_conversations": data["max_conversations"],
-        "samples_per_shard": data["samples_per_shard"],
-        "leading_assistant": data["leading_assistant"],
-        "max_len": data["max_len"],
-    }
-
-
-# Training settings that decide the drafter's weights (eaglenest.train.CONTENT_KEYS): a
-# change reruns training; the other train keys only change speed or bookkeeping.
-TRAIN_CONTENT_KEYS = [
-    "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
-    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
-]
-
-
 def all_targets():
     # Hidden shards are targets themselves: a deleted or lost shard is rebuilt alone
     # even when everything downstream of it still exists.
@@ -120,7 +82,51 @@ def all_targets():
         run_path("consolidated", "split.json"),
         run_path("train", "drafter"),
         run_path("train", "training_summary.json"),
+        run_path("export", "export_report.json"),
+        *evaluation_targets(),
     ]
+
+
+def evaluation_path(*parts):
+    return run_path("evaluate", *parts)
+
+
+def eval_set_path(eval_set):
+    """Where the fetch_eval_* rules unpack each eval set's prompts."""
+    names = {"mt_bench": "mt_bench_question.jsonl", "humaneval": "HumanEval.jsonl.gz"}
+    return str(Path("resources") / "eval" / names[eval_set])
+
+
+def drafting_configs():
+    """Drafting configuration name (steps<k>-topk<k>-tokens<n>) -> its settings."""
+    from eaglenest.speculate import Drafting
+
+    configs = {}
+    for values in config["evaluate"]["drafting"]:
+        drafting = Drafting.from_dict(values)
+        configs[drafting.name] = {
+            "steps": drafting.steps,
+            "topk": drafting.topk,
+            "tokens": drafting.tokens,
+        }
+    return configs
+
+
+def evaluation_drafter():
+    """The drafter to evaluate: evaluate.drafter when set, else the one this run trains."""
+    return config["evaluate"].get("drafter") or run_path("train", "drafter")
+
+
+def evaluation_metrics():
+    return expand(
+        evaluation_path("{eval_set}", "{drafting}", "metrics.json"),
+        eval_set=config["evaluate"]["sets"],
+        drafting=list(drafting_configs()),
+    )
+
+
+def evaluation_targets():
+    return [evaluation_path("summary.json"), evaluation_path("summary.tsv")]
 
 
 PLAN = plan.plan(config, prepared_path("prepare_report.json"))

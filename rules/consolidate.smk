@@ -29,3 +29,11 @@ rule consolidate:
         seed=config["consolidate"]["seed"],
     script:
         "../scripts/consolidate.py"
+
+
+# The data half alone (assets, ingest, prepare, extract, consolidate), e.g. before the
+# training node is free: `snakemake --cores all hidden_states`.
+rule hidden_states:
+    input:
+        hidden_shards(),
+        rules.consolidate.output,

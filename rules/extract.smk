@@ -1,6 +1,6 @@
 # Per-shard hidden-state extraction: one job, one shard file.
 # What defines a shard's content: its samples (the prepared shard, whose directory is
-# keyed by the settings that choose them, see prepared_key()), the target, the layers
+# keyed by the settings that choose them, see eaglenest.plan.prepared_key), the target, the layers
 # and the storage dtype (params). Knobs that only change speed (device, batch size,
 # preflight) are read from the config by the script, so changing them never schedules
 # re-extraction. The prepared shard is ancient(): prepare rewrites all its shards

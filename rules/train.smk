@@ -23,16 +23,34 @@ rule train_drafter:
         log_path("train.log"),
     benchmark:
         benchmark_path("train.tsv")
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: config["train"]["threads"]
+    resources:
+        gpu=config["train"]["gpus"],
     params:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
-        hyper={key: config["train"][key] for key in TRAIN_CONTENT_KEYS},
+        # the keys of eaglenest.train.CONTENT_KEYS (tests/test_train.py keeps them equal)
+        hyper={
+            key: config["train"][key]
+            for key in [
+                "ttt_length",
+                "decay",
+                "epochs",
+                "token_budget",
+                "rows_per_step",
+                "lr",
+                "min_lr_ratio",
+                "warmup_steps",
+                "weight_decay",
+                "max_grad_norm",
+                "seed",
+                "init_head_from_target",
+                "drafter",
+            ]
+        },
         checkpoint_dir=run_path("train", "checkpoints"),
-    threads: config["train"]["threads"]
-    resources:
-        gpu=config["train"]["gpus"],
-    conda:
-        "../envs/eaglenest.yaml"
     script:
         "../scripts/train_drafter.py"

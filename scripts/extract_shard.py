@@ -2,12 +2,13 @@
 
 Content-defining values come from params; speed knobs from the config.
 """
+import contextlib
 import logging
 import os
 
 import torch
 
-from eaglenest import extract, joblog, sglang_client
+from eaglenest import extract, gpu_slots, joblog, sglang_client
 
 stream = joblog.to_file(snakemake.log[0])
 # Which GPUs this job was handed (by Slurm or the local slot pool) belongs in its log.
@@ -40,17 +41,22 @@ if settings["backend"] == "sglang":
     )
 else:
     torch.set_num_threads(snakemake.threads)
-    extract.extract_shard(
-        snakemake.input.prepared,
-        snakemake.output[0],
-        target_path=snakemake.config["target"]["path"],
-        target_name=snakemake.params.target_name,
-        layer_ids=snakemake.params.layer_ids,
-        dtype=snakemake.params.dtype,
-        device=settings["device"],
-        tokens_per_batch=settings["tokens_per_batch"],
-        check_disk=settings["preflight"],
-        disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
-        expected_shape=(snakemake.config["target"]["num_layers"], snakemake.config["target"]["hidden_size"]),
-        log_stream=stream,
-    )
+    # Snakemake counts GPUs but does not pick one: take free ones from the node's slot
+    # pool (flock, released even on SIGKILL) before anything initializes CUDA.
+    gpus = int(snakemake.resources.get("gpu", 0) or 0)
+    slot = gpu_slots.gpu_slots(gpus) if gpus > 0 else contextlib.nullcontext()
+    with slot:
+        extract.extract_shard(
+            snakemake.input.prepared,
+            snakemake.output[0],
+            target_path=snakemake.config["target"]["path"],
+            target_name=snakemake.params.target_name,
+            layer_ids=snakemake.params.layer_ids,
+            dtype=snakemake.params.dtype,
+            device=settings["device"],
+            tokens_per_batch=settings["tokens_per_batch"],
+            check_disk=settings["preflight"],
+            disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
+            expected_shape=(snakemake.config["target"]["num_layers"], snakemake.config["target"]["hidden_size"]),
+            log_stream=stream,
+        )

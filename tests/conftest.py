@@ -48,6 +48,10 @@ def synthetic_conversations(path: Path, count: int, seed: int = 0, id_prefix: st
     return path
 
 
+# Training settings that take seconds on the tiny target.
+TINY_TRAIN = {"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1, "threads": 1, "checkpoint_every": 5}
+
+
 def tiny_workflow_config(workdir: Path, target: Path, conversations: Path, **sections) -> Path:
     """Write a config for the tiny target into ``workdir``; ``sections`` update top-level keys."""
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -68,6 +72,7 @@ def tiny_workflow_config(workdir: Path, target: Path, conversations: Path, **sec
     )
     config["extract"].update(disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
     config["consolidate"]["draft_vocab_size"] = 64
+    config["train"] = dict(config.get("train", {}), **TINY_TRAIN)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key].update(value)
@@ -101,10 +106,10 @@ def run_snakemake(workdir: Path, configfile: Path, *args: str, check: bool = Tru
 
 def planned_jobs(workdir: Path, configfile: Path, *extra: str) -> dict[str, int]:
     """Rule name -> job count that ``snakemake -n`` plans (empty when nothing is to be done)."""
-    result = run_snakemake(workdir, configfile, "-n", "--quiet", "rules", *extra)
+    result = run_snakemake(workdir, configfile, "-n", "--quiet", "rules", "--", *extra)
     counts = {}
     for line in (result.stdout + result.stderr).splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job", "all"):
             counts[parts[0]] = int(parts[1])
     return counts

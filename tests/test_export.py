@@ -366,9 +366,12 @@ def test_export_rule_writes_both_exports_from_a_trained_drafter_directory(drafte
 
     conversations = synthetic_conversations(tmp_path / "conversations.json", 4)
     configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, export={"dtype": "float32"})
-    # The trained drafter where rule train puts it; the rule is asked for its exports only.
+    # The trained drafter where rule train puts it; only the export rule may run.
     shutil.copytree(drafter_dir, tmp_path / "results" / "tiny" / "train" / "drafter")
-    run_snakemake(tmp_path, configfile, "--cores", "1", "results/tiny/export/export_report.json")
+    run_snakemake(
+        tmp_path, configfile, "--cores", "1", "--allowed-rules", "export_drafter",
+        "--", "results/tiny/export/export_report.json",
+    )
     report = json.loads((tmp_path / "results" / "tiny" / "export" / "export_report.json").read_text())
     assert report["dtype"] == "float32" and report["sglang"]["captures_hf_layers"] == TINY_AUX_LAYERS
     original = Eagle3Drafter.from_checkpoint(drafter_dir)

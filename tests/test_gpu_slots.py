@@ -107,3 +107,13 @@ def test_command_line_runs_a_command_on_a_held_slot(tmp_path):
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == "3"
+
+
+def test_each_slurm_allocation_has_its_own_pool(monkeypatch, tmp_path):
+    monkeypatch.delenv(gpu_slots.LOCK_DIR_ENV, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert gpu_slots.default_lock_dir().name == "eaglenest-gpu-slots-slurm-4242"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert gpu_slots.default_lock_dir().name == "eaglenest-gpu-slots"
+    monkeypatch.setenv(gpu_slots.LOCK_DIR_ENV, str(tmp_path))
+    assert gpu_slots.default_lock_dir() == tmp_path

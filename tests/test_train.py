@@ -171,7 +171,14 @@ def test_training_lowers_the_loss_and_writes_the_drafter(tiny_run, tmp_path):
     assert 0 <= summary["data_wait_fraction"] < 1
     names = set(load_file(str(tmp_path / "drafter" / "model.safetensors")))
     assert {"embed_tokens.weight", "fc.weight", "lm_head.weight", "d2t", "t2d"} <= names
-    assert len(list((tmp_path / "checkpoints").glob("step-*.pt"))) == 2  # rotation kept the newest two
+    checkpoints = sorted((tmp_path / "checkpoints").glob("step-*.pt"))
+    assert len(checkpoints) == 2  # rotation kept the newest two
+    # the last checkpoint is the final drafter (its embedding reloaded from the target)
+    from eaglenest.drafter import Eagle3Drafter
+
+    final = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    restored = Eagle3Drafter.from_checkpoint(checkpoints[-1]).state_dict()
+    assert all(torch.equal(restored[name], final[name]) for name in final)
 
 
 def test_checkpoints_of_other_settings_are_refused(tiny_run, tmp_path):
@@ -241,3 +248,31 @@ def test_two_gloo_processes_follow_the_one_process_loss_trajectory(tiny_run, tmp
     w1, w2 = final_weights(Path(one["out_dir"])), final_weights(Path(two["out_dir"]))
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
+    import re
+
+    rule = (Path(__file__).resolve().parents[1] / "rules" / "train.smk").read_text()
+    listed = re.search(r"for key in \[(.*?)\]", rule, re.S).group(1)
+    assert re.findall(r'"(\w+)"', listed) == list(train.CONTENT_KEYS)
+
+
+def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(tiny_llama, tmp_path):
+    from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
+
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 30)
+    configfile = tiny_workflow_config(
+        tmp_path, tiny_llama, conversations,
+        train={"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1,
+               "cpu_processes": 2, "threads": 1, "checkpoint_every": 2},
+    )
+    summary_path = tmp_path / "results" / "tiny" / "train" / "training_summary.json"
+    run_snakemake(tmp_path, configfile, "--cores", "2", str(summary_path.relative_to(tmp_path)))
+    summary = json.loads(summary_path.read_text())
+    assert summary["processes"] == 2 and len(summary["final_val_acc"]) == 2
+    drafter_dir = summary_path.parent / "drafter"
+    assert {"model.safetensors", "config.json", "training_curve.json"} <= {p.name for p in drafter_dir.iterdir()}
+    assert list((summary_path.parent / "checkpoints").glob("step-*.pt"))
+    log = (tmp_path / "logs" / "tiny" / "train.log").read_text()
+    assert "torch.distributed.run" in log and "val step" in log

