@@ -21,7 +21,6 @@ run must be bitwise identical to the reference run's; the summary table says so.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import random
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest import atomic, shards
+from eaglenest import atomic, recon, shards
 
 REPO = Path(__file__).resolve().parents[1]
 LOCKED_HINT = "--unlock"
@@ -102,13 +101,8 @@ class Workflow:
     def in_flight_stages(self) -> set[str]:
         """Stages with outputs Snakemake has marked incomplete (jobs running right now)."""
         stages = set()
-        marker_dir = self.workdir / ".snakemake" / "incomplete"
-        for marker in marker_dir.glob("*") if marker_dir.is_dir() else []:
-            try:
-                path = Path(base64.b64decode(marker.name.replace("_", "/")).decode())
-            except Exception:
-                continue
-            parts = path.parts
+        for marker in recon.incomplete_markers(self.workdir):
+            parts = Path(marker["path"]).parts
             if "results" in parts and len(parts) > parts.index("results") + 2:
                 stages.add(STAGE_BY_DIR.get(parts[parts.index("results") + 2], "other"))
         return stages
@@ -134,28 +128,38 @@ def leftovers(workflow: Workflow) -> dict[str, list[str]]:
     return {"temp_files": temps, "locks": locks}
 
 
+# Stages in pipeline order; kills are spread over them.
+KILL_STAGES = ["ingest", "prepare", "extract", "consolidate", "train", "export", "evaluate"]
+
+
 def inject_kills(workflow: Workflow, count: int, reference_seconds: float, rng: random.Random, tally: Tally) -> None:
-    for _ in range(count):
+    """Kill i aims at stage KILL_STAGES[i * len / count]: the run is killed a random moment
+    (0-1.5 s) after a job of that stage (or, if it is already done, of any later stage) is
+    seen in flight, so the kills land in every stage rather than all during extraction."""
+    for index in range(count):
+        target = KILL_STAGES[min(index * len(KILL_STAGES) // max(count, 1), len(KILL_STAGES) - 1)]
+        acceptable = set(KILL_STAGES[KILL_STAGES.index(target):])
         process = workflow.start()
         tally.runs += 1
-        # Kill somewhere in the first 90% of a full run; progress carries over, so later
-        # kills land in later stages.
-        delay = rng.uniform(0.5, max(1.0, 0.9 * reference_seconds))
-        deadline = time.monotonic() + delay
-        stages: set[str] = set()
+        deadline = time.monotonic() + 2 * reference_seconds + 60
+        seen: set[str] = set()
         while time.monotonic() < deadline and process.poll() is None:
-            stages |= workflow.in_flight_stages()
-            time.sleep(0.1)
+            seen = workflow.in_flight_stages() & acceptable
+            if seen:
+                break
+            time.sleep(0.05)
+        if seen:
+            time.sleep(rng.uniform(0.0, 1.5))
+            seen |= workflow.in_flight_stages()
         if process.poll() is None:
-            stages |= workflow.in_flight_stages()
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             tally.fault("kill")
-            for stage in stages or {"startup"}:
+            for stage in seen or {"startup"}:
                 tally.stages_hit[stage] = tally.stages_hit.get(stage, 0) + 1
         else:
             tally.runs_completed += int(process.returncode == 0)
-            tally.notes.append("a run finished before its kill moment")
+            tally.notes.append(f"the run finished before a {target}-or-later job was seen to kill")
 
 
 def corrupt_file(path: Path, how: str, rng: random.Random) -> None:
@@ -294,6 +298,8 @@ def tiny_setup(workdir: Path, conversations: int) -> Path:
     # Seconds of training on the tiny target; the checkpoints make kills during training count.
     config["train"] = dict(config.get("train", {}), epochs=1, token_budget=256, rows_per_step=2, ttt_length=2,
                            warmup_steps=1, threads=1, checkpoint_every=3)
+    config["evaluate"] = dict(config.get("evaluate", {}), sets=["mt_bench"], num_prompts=1, max_new_tokens=4,
+                              drafting=[{"steps": 2, "topk": 1, "tokens": 3}], threads=1)
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

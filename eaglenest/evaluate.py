@@ -229,6 +229,9 @@ def plot_acceptance_by_position(rows: list[dict], path) -> None:
         points = [(i + 1, a) for i, a in enumerate(rates) if a is not None]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{r['eval_set']} {r['drafting']}")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("P(position i accepted | i-1 accepted)")
     ax.set_ylim(0, 1.02)

@@ -9,6 +9,7 @@ kept in ascending target order so d2t is non-decreasing.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -38,7 +39,9 @@ def draft_to_target(d2t: torch.Tensor) -> torch.Tensor:
 
 def save_draft_vocab(path: str | os.PathLike, d2t, t2d, token_counts, meta: dict) -> None:
     tensors = {"d2t": d2t.contiguous(), "t2d": t2d.contiguous(), "token_counts": token_counts.contiguous()}
-    meta = {k: str(v) for k, v in meta.items()}
+    # One metadata entry holding sorted JSON: safetensors writes several entries in a random
+    # order, and the file must come out bitwise identical on every rerun.
+    meta = {"eaglenest": json.dumps(meta, sort_keys=True, separators=(",", ":"))}
     atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 

@@ -1,4 +1,5 @@
 # Helpers and input functions for every rule; rule files hold rules only.
+import json
 import sys
 from pathlib import Path
 
@@ -126,7 +127,19 @@ def evaluation_metrics():
 
 
 def evaluation_targets():
+    if not config["evaluate"]["enabled"]:
+        return []
     return [evaluation_path("summary.json"), evaluation_path("summary.tsv")]
+
+
+onsuccess:
+    summary = Path(evaluation_path("summary.json"))
+    if config["evaluate"]["enabled"] and summary.exists():
+        headline = json.loads(summary.read_text())["headline"]
+        print(
+            f"eaglenest: {headline}\nreport: snakemake --report report.html",
+            file=sys.stderr,
+        )
 
 
 PLAN = plan.plan(config, prepared_path("prepare_report.json"))

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,16 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-qwen2") / "model", arch="qwen2")
 
 
+def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
 def synthetic_conversations(path: Path, count: int, seed: int = 0, id_prefix: str = "c") -> Path:
     """A JSONL file of OpenAI-style multi-turn conversations with stable ids."""
     rng = random.Random(seed)
@@ -48,8 +59,17 @@ def synthetic_conversations(path: Path, count: int, seed: int = 0, id_prefix: st
     return path
 
 
-# Training settings that take seconds on the tiny target.
+# Training and evaluation settings that take seconds on the tiny target.
 TINY_TRAIN = {"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1, "threads": 1, "checkpoint_every": 5}
+TINY_EVALUATE = {"sets": ["mt_bench"], "num_prompts": 1, "max_new_tokens": 4, "drafting": [{"steps": 2, "topk": 1, "tokens": 3}], "threads": 1}
+
+
+def share_resources(workdir: Path) -> None:
+    """Let a test workdir use the checkout's resources/ (fetched wheels, converted model)."""
+    (REPO / "resources").mkdir(exist_ok=True)
+    link = workdir / "resources"
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(REPO / "resources")
 
 
 def tiny_workflow_config(workdir: Path, target: Path, conversations: Path, **sections) -> Path:
@@ -73,6 +93,8 @@ def tiny_workflow_config(workdir: Path, target: Path, conversations: Path, **sec
     config["extract"].update(disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
     config["consolidate"]["draft_vocab_size"] = 64
     config["train"] = dict(config.get("train", {}), **TINY_TRAIN)
+    config["evaluate"] = dict(config.get("evaluate", {}), **TINY_EVALUATE)
+    share_resources(workdir)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key].update(value)

@@ -70,3 +70,16 @@ def test_stored_states_match_a_direct_forward_of_the_real_model(e2e_run):
     torch.testing.assert_close(tensors["last_hidden"][start:end], states[-1][0].to(torch.bfloat16), rtol=2e-2, atol=2e-2)
     # The loss mask marks assistant tokens of the real ChatML template.
     assert 0 < int(tensors["loss_mask"][start:end].sum()) < end - start
+
+
+def test_demo_drafter_decodes_losslessly_and_reports_tau(e2e_run):
+    """The drafter trained by the pipeline, speculative decoding on real SmolLM2 (greedy):
+    identical tokens to the target's own greedy decoding on every prompt of both sets."""
+    workdir, _, _ = e2e_run
+    summary = json.loads((workdir / "results" / "e2e-smollm2" / "evaluate" / "summary.json").read_text())
+    assert summary["lossless"] is True
+    rows = summary["rows"]
+    assert {row["eval_set"] for row in rows} == {"mt_bench", "humaneval"}
+    for row in rows:
+        assert row["lossless"] is True and row["tau"] >= 1.0
+    assert "tau" in summary["headline"]

@@ -451,3 +451,25 @@ def test_json_output_and_exit_status_of_the_cli(finished_run, capsys):
     cli.main(["recon", "--directory", str(workdir), "--configfile", str(configfile)])
     human = capsys.readouterr().out.splitlines()
     assert len(human) <= 24 and human[-1].startswith("Next command:")
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
+
+
+def test_nvidia_smi_captured_on_an_h200_with_a_process_holding_memory_at_zero_utilisation(fake_vllm_process):
+    """Output captured on an H200 (2026-11-29) while a process held 19.7 GB and computed nothing;
+    the capture's pid is swapped for a live local process so recon can read its command line."""
+    gpu_text = (FIXTURES / "h200-query-gpu.csv").read_text()
+    apps_text = (FIXTURES / "h200-query-apps.csv").read_text()
+    captured_pid = recon.parse_apps_query(apps_text)[0]["pid"]
+    outputs = {"--query-gpu": gpu_text, "--query-compute-apps": apps_text.replace(f", {captured_pid},", f", {fake_vllm_process.pid},")}
+    (gpu,) = recon.parse_gpu_query(gpu_text)
+    assert gpu["name"] == "NVIDIA H200" and gpu["memory_used_mib"] == 19693 and gpu["utilization_pct"] == 0
+    section = recon.check_gpus(recon.list_processes(), gpus_needed=True, run=lambda args: outputs[args[0].split("=")[0]])
+    assert section["gpus"][0]["idle_holder"] and section["status"] == recon.BLOCK
+    (holder,) = section["holders"]
+    assert holder["kind"] == "vllm" and holder["used_memory_mib"] == 19684
+    assert section["steps"][0]["command"] == f"kill {fake_vllm_process.pid}"
+    # The same capture's nvidia-smi -q -x agrees on the numbers recon reads from the query format.
+    xml = (FIXTURES / "h200-q.xml").read_text()
+    assert "<product_name>NVIDIA H200</product_name>" in xml and f"<pid>{captured_pid}</pid>" in xml

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from conftest import (
+    REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until,
+)
 from eaglenest import atomic
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
@@ -116,15 +118,6 @@ def test_corrupt_shard_is_detected_and_only_it_is_rebuilt(tmp_path_factory, tiny
     assert after[SHARDS[1]][2] == (hidden_dir(reference_dir) / SHARDS[1]).read_bytes()
 
 
-def wait_for(predicate, timeout, interval=0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
-
-
 def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_path_factory, tiny_llama, finished_run):
     reference_dir, _ = finished_run
     workdir, config = new_workdir(tmp_path_factory, tiny_llama, "killed")
@@ -135,7 +128,7 @@ def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_pat
     )
     try:
         # Kill once the first shard is done and the next extraction job has started.
-        started = wait_for(
+        started = wait_until(
             lambda: len(list(shards_dir.glob("shard-*.safetensors"))) >= 1
             and len(list((workdir / "logs" / "tiny" / "extract").glob("*.log"))) >= 2,
             timeout=240,

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import wait_until
+
 # The plugin's job step strips SLURM_CONF before its inner srun, so the configuration has
 # to be where every Slurm command looks by default.
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
@@ -186,10 +188,3 @@ class LocalSlurm:
             raise RuntimeError(f"munged did not start:\n{self.daemon_logs()}")
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False

@@ -26,11 +26,13 @@ def slurm_env() -> dict[str, str]:
 
 def new_slurm_workdir(tmp_path_factory, tiny_llama, name: str) -> tuple[Path, Path]:
     """A tiny run whose extraction asks Slurm for one GPU per shard job and whose training
-    runs two torchrun processes inside its allocation."""
+    runs two torchrun processes inside its allocation. Evaluation is left out: it is the
+    same kind of single-process job as export and would only lengthen the Slurm stage."""
     workdir = tmp_path_factory.mktemp(name)
     conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
     config = tiny_workflow_config(
         workdir, tiny_llama, conversations, extract={"gpus_per_job": 1}, train={"cpu_processes": 2},
+        evaluate={"enabled": False},
     )
     return workdir, config
 
