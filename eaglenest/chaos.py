@@ -86,6 +86,14 @@ class Workflow:
     def start(self) -> subprocess.Popen:
         return subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
+    def unlock_if_stale(self, tally: Tally) -> None:
+        """After a kill the dead run's lock stays: recon says `snakemake --unlock` is safe
+        when no Snakemake process is alive on the directory, which the harness knows."""
+        locks = self.workdir / ".snakemake" / "locks"
+        if locks.is_dir() and any(locks.iterdir()):
+            self.run("--unlock")
+            tally.runs += 1
+
     def resume(self, tally: Tally) -> subprocess.CompletedProcess:
         """Rerun as the README says: unlock only when Snakemake says the directory is locked."""
         tally.runs += 1
@@ -139,6 +147,7 @@ def inject_kills(workflow: Workflow, count: int, reference_seconds: float, rng: 
     for index in range(count):
         target = KILL_STAGES[min(index * len(KILL_STAGES) // max(count, 1), len(KILL_STAGES) - 1)]
         acceptable = set(KILL_STAGES[KILL_STAGES.index(target):])
+        workflow.unlock_if_stale(tally)
         process = workflow.start()
         tally.runs += 1
         deadline = time.monotonic() + 2 * reference_seconds + 60
