@@ -645,7 +645,10 @@ def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str) -> dict:
 
 def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path = REPO) -> dict:
     """Shards done / missing / partial / corrupt / incomplete and what ``snakemake -n`` will plan."""
-    from eaglenest import shards  # imports torch: only when the workflow section runs
+    from eaglenest import shard_header  # header checks without torch (fast mode)
+
+    if deep:
+        from eaglenest import shards  # imports torch: checksums and values need it
 
     run_dir = _run_dir(workdir, config)
     num_shards = plan.num_shards(config)
@@ -673,18 +676,21 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
         row["writing"] = any(_writer_alive(p) for p in hidden_leftovers.get(name, []))
         if name in hidden_mtimes:
             try:
-                reader = shards.verify_shard(hidden, deep=deep, expect=expect)
-                row["samples"], row["tokens"] = len(reader.sample_ids), reader.num_tokens
+                if deep:
+                    meta = shards.verify_shard(hidden, deep=True, expect=expect).metadata
+                else:
+                    _, meta = shard_header.verify_header(hidden, expect)
+                row["samples"], row["tokens"] = len(meta["sample_ids"]), sum(meta["token_counts"])
                 row["state"] = "incomplete" if rel in incomplete else "done"
-            except shards.ShardError as err:
+            except shard_header.ShardError as err:
                 row["state"], row["reason"] = "corrupt", err.reason
         else:
             row["state"] = "partial" if row["leftovers"] else "missing"
         if row["state"] != "done":
             planned = per_shard_plan.get(shard_id)
             if planned is None and name in prepared_mtimes:
-                with contextlib.suppress(shards.ShardError, KeyError):
-                    _, meta = shards.read_header(prepared_dir / name)
+                with contextlib.suppress(shard_header.ShardError, KeyError):
+                    _, meta = shard_header.read_header(prepared_dir / name)
                     planned = {"samples": len(meta["sample_ids"]), "tokens": sum(meta["token_counts"])}
             row["planned_tokens"] = planned["tokens"] if planned else None
             row["planned_samples"] = planned["samples"] if planned else None

@@ -19,7 +19,9 @@ Two kinds of shard, both single safetensors files written atomically:
     Readers call :func:`dequantize` (or :meth:`ShardReader.hidden_tensors`) and never
     see the difference.
 
-Header metadata: one safetensors ``__metadata__`` entry, ``"eaglenest"``, holding a JSON
+Header parsing and the shallow (header-only) check live in eaglenest/shard_header.py,
+which needs no torch; this module re-exports them. Header metadata: one safetensors
+``__metadata__`` entry, ``"eaglenest"``, holding a JSON
 object with sorted keys (one entry, because safetensors writes several in a random order
 and shard files must be bitwise reproducible): format="eaglenest-shard", format_version,
 kind, shard_id, sample_ids, token_counts,
@@ -46,22 +48,28 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglenest import atomic
+from eaglenest.shard_header import (  # noqa: F401  (the header API is part of this module's)
+    FORMAT,
+    FORMAT_VERSION,
+    FP8_DTYPE,
+    HIDDEN_TENSORS,
+    METADATA_KEY,
+    PREPARED_TENSORS,
+    SAFETENSORS_DTYPE_BYTES,
+    SCALE_TENSORS,
+    ShardError,
+    read_header,
+    verify_header,
+)
 
-FORMAT = "eaglenest-shard"
-FORMAT_VERSION = 1
-PREPARED_TENSORS = ("input_ids", "loss_mask", "offsets")
-HIDDEN_TENSORS = PREPARED_TENSORS + ("aux_hidden", "last_hidden")
 STORAGE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
     "float8_e4m3": torch.float8_e4m3fn,
 }
-FP8_DTYPE = "float8_e4m3"
 # Largest finite e4m3fn value: a row's absolute maximum maps to it.
 FP8_MAX = 448.0
-SCALE_TENSORS = {"aux_hidden": "aux_hidden_scale", "last_hidden": "last_hidden_scale"}
-SAFETENSORS_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "U8": 1, "BOOL": 1, "F8_E4M3": 1}
 SAFETENSORS_DTYPE_NAMES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
     torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
@@ -69,15 +77,6 @@ SAFETENSORS_DTYPE_NAMES = {
 # Bytes per token besides the hidden states: int32 id + uint8 mask.
 TOKEN_OVERHEAD_BYTES = 5
 HASH_CHUNK = 16 << 20
-
-
-class ShardError(Exception):
-    """A shard file is missing, unreadable, inconsistent or corrupt."""
-
-    def __init__(self, path: str | os.PathLike, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path = Path(path)
-        self.reason = reason
 
 
 def shard_name(shard_id: int) -> str:
@@ -131,9 +130,6 @@ def dequantize(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.b
 def _tensor_sha256(tensor: torch.Tensor) -> str:
     raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(raw)).hexdigest()
-
-
-METADATA_KEY = "eaglenest"
 
 
 def _encode_metadata(meta: Mapping) -> dict[str, str]:
@@ -408,38 +404,6 @@ class HiddenShardWriter:
         self._atomic.__exit__(type(error), error, error.__traceback__)
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
-    """Parse the safetensors header only: (tensor infos, decoded metadata). Reads no tensor data."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise ShardError(path, "file shorter than a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(size - 8, 512 << 20):
-                raise ShardError(path, "header length points past the end of the file (truncated?)")
-            header = json.loads(handle.read(header_len))
-    except FileNotFoundError:
-        raise ShardError(path, "missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ShardError(path, "header is not valid JSON") from None
-    raw_meta = header.pop("__metadata__", None) or {}
-    try:
-        meta = json.loads(raw_meta[METADATA_KEY])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        raise ShardError(path, "not an eaglenest shard (no eaglenest metadata)") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ShardError(path, "not an eaglenest shard (format key missing)")
-    data_len = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + header_len + data_len != size:
-        raise ShardError(path, f"size {size} != header + data {8 + header_len + data_len} (truncated or padded)")
-    for info in header.values():
-        info["file_offset"] = 8 + header_len + info["data_offsets"][0]
-    return header, meta
-
-
 @dataclass
 class ShardReader:
     """Lazy, memory-mapped access to one shard; tensors are read on demand."""
@@ -512,38 +476,11 @@ def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | N
     ``expect`` metadata (e.g. target, layer_ids, dtype). Deep: also every tensor's sha256,
     offsets consistent with token counts, and all hidden values finite.
     """
-    reader = ShardReader.open(path)
-    meta, infos = reader.metadata, reader.infos
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ShardError(path, f"format_version {meta.get('format_version')} != {FORMAT_VERSION}")
+    infos, meta = verify_header(path, expect)
+    reader = ShardReader(Path(path), infos, meta)
     names = HIDDEN_TENSORS if meta.get("kind") == "hidden" else PREPARED_TENSORS
     if meta.get("kind") == "hidden" and meta.get("dtype") == FP8_DTYPE:
         names = names + tuple(SCALE_TENSORS.values())
-    missing = [name for name in names if name not in infos]
-    if missing:
-        raise ShardError(path, f"missing tensors {missing}")
-    for key, value in (expect or {}).items():
-        if meta.get(key) != value:
-            raise ShardError(path, f"header {key}={meta.get(key)!r}, expected {value!r}")
-    counts = meta.get("token_counts", [])
-    total = sum(counts)
-    if len(counts) != len(meta.get("sample_ids", [])):
-        raise ShardError(path, "token_counts and sample_ids differ in length")
-    shapes = {"input_ids": [total], "loss_mask": [total], "offsets": [len(counts) + 1]}
-    if meta.get("kind") == "hidden":
-        hidden = meta["target_hidden_size"]
-        shapes["aux_hidden"] = [total, len(meta["layer_ids"]) * hidden]
-        shapes["last_hidden"] = [total, hidden]
-        if meta.get("dtype") == FP8_DTYPE:
-            shapes["aux_hidden_scale"] = [total, len(meta["layer_ids"])]
-            shapes["last_hidden_scale"] = [total, 1]
-    for name, shape in shapes.items():
-        info = infos[name]
-        if info["shape"] != shape:
-            raise ShardError(path, f"{name} shape {info['shape']} != {shape}")
-        nbytes = math.prod(info["shape"]) * SAFETENSORS_DTYPE_BYTES.get(info["dtype"], 0)
-        if info["data_offsets"][1] - info["data_offsets"][0] != nbytes:
-            raise ShardError(path, f"{name} byte range does not match its shape and dtype")
     if not deep:
         return reader
     checksums = meta.get("checksums", {})
