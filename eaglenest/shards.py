@@ -499,7 +499,7 @@ def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | N
             if digest.hexdigest() != checksums.get(name):
                 raise ShardError(path, f"checksum mismatch in {name} (file corrupted)")
     tensors = reader.tensors()
-    if tensors["offsets"].tolist() != _offsets(counts).tolist():
+    if tensors["offsets"].tolist() != _offsets(meta.get("token_counts", [])).tolist():
         raise ShardError(path, "offsets do not match token_counts")
     for name in ("aux_hidden", "last_hidden", *SCALE_TENSORS.values()):
         # e4m3fn has no infinity, only NaN; a float view finds both kinds of damage.
