@@ -287,28 +287,11 @@ def tiny_setup(workdir: Path, conversations: int) -> Path:
     from eaglenest import tiny
 
     target = tiny.make_tiny_target(workdir / "target")
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over the lazy dog hello world draft verify token".split()
-    lines = []
-    for i in range(conversations):
-        messages = []
-        for _ in range(rng.randint(1, 3)):
-            messages.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 20)))})
-            messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(3, 40)))})
-        lines.append(json.dumps({"id": f"c{i}", "messages": messages}))
-    source = workdir / "conversations.jsonl"
-    source.write_text("\n".join(lines) + "\n")
-    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    config["run"] = "chaos"
-    config["target"] = {"name": "tiny-llama", "path": str(target), "embedded": None, "num_layers": 6, "hidden_size": 64, "vocab_size": 320}
-    config["data"].update(sources=[{"name": "synthetic", "path": str(source)}], max_conversations=conversations, samples_per_shard=8, max_len=256)
-    config["extract"].update(disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
-    config["consolidate"]["draft_vocab_size"] = 64
-    # Seconds of training on the tiny target; the checkpoints make kills during training count.
-    config["train"] = dict(config.get("train", {}), epochs=1, token_budget=256, rows_per_step=2, ttt_length=2,
-                           warmup_steps=1, threads=1, checkpoint_every=3)
-    config["evaluate"] = dict(config.get("evaluate", {}), sets=["mt_bench"], num_prompts=1, max_new_tokens=4,
-                              drafting=[{"steps": 2, "topk": 1, "tokens": 3}], threads=1)
+    source = tiny.synthetic_conversations(workdir / "conversations.jsonl", conversations)
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    # Frequent checkpoints make kills during training count.
+    config = tiny.workflow_config(base, target, source, run="chaos", max_conversations=conversations,
+                                  samples_per_shard=8, checkpoint_every=3)
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -43,17 +43,13 @@ from pathlib import Path
 import torch
 
 from eaglenest import atomic, shards
+from eaglenest.plan import default_layer_ids  # noqa: F401  (part of this module's API)
 
 log = logging.getLogger(__name__)
 
 
 class InsufficientDiskError(RuntimeError):
     pass
-
-
-def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's aux layers in HF convention: low, middle and high."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def resolve_layer_ids(layer_ids, num_layers: int) -> list[int]:

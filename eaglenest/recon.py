@@ -568,11 +568,6 @@ def _run_dir(workdir: Path, config: dict) -> Path:
     return workdir / "results" / config["run"]
 
 
-def prepared_key(config: dict) -> str:
-    """Where the workflow writes prepared shards: results/<run>/prepared/<key>/."""
-    return plan.prepared_key(config)
-
-
 def _shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:05d}.safetensors"
 
@@ -654,7 +649,7 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     num_shards = plan.num_shards(config)
     layer_ids = plan.layer_ids(config)
     expect = {"target": config["target"]["name"], "layer_ids": layer_ids, "dtype": config["extract"]["dtype"]}
-    hidden_dir, prepared_dir = run_dir / "hidden", run_dir / "prepared" / prepared_key(config)
+    hidden_dir, prepared_dir = run_dir / "hidden", run_dir / "prepared" / plan.prepared_key(config)
     hidden_leftovers, prepared_leftovers = _leftovers(hidden_dir), _leftovers(prepared_dir)
     incomplete = {m["path"] for m in incomplete_markers(workdir) if m["exists"]}
     prepare_report_path = prepared_dir / "prepare_report.json"

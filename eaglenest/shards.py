@@ -47,7 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglenest import atomic
+from eaglenest import atomic, plan
 from eaglenest.shard_header import (  # noqa: F401  (the header API is part of this module's)
     FORMAT,
     FORMAT_VERSION,
@@ -74,8 +74,6 @@ SAFETENSORS_DTYPE_NAMES = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32",
     torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
-# Bytes per token besides the hidden states: int32 id + uint8 mask.
-TOKEN_OVERHEAD_BYTES = 5
 HASH_CHUNK = 16 << 20
 
 
@@ -84,10 +82,12 @@ def shard_name(shard_id: int) -> str:
 
 
 def hidden_bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
-    """Bytes one token costs in a hidden shard (aux + last hidden state, scales, ids, mask)."""
-    element = torch.empty((), dtype=STORAGE_DTYPES[dtype]).element_size()
-    scales = (num_aux_layers + 1) * 4 if dtype == FP8_DTYPE else 0
-    return (num_aux_layers + 1) * hidden_size * element + scales + TOKEN_OVERHEAD_BYTES
+    """Bytes one token costs in a hidden shard (aux + last hidden state, scales, ids, mask).
+
+    The planner (eaglenest.plan) owns the arithmetic so that `snakemake -n` can count
+    bytes without torch; the shard writers and the disk preflight use the same numbers.
+    """
+    return plan.bytes_per_token(hidden_size, num_aux_layers, dtype)
 
 
 def quantize_rows(rows: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,3 +87,52 @@ def make_tiny_target(path: str | Path, arch: str = "llama", seed: int = 0, **con
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
     return path
+
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog hello world capital France Paris add "
+    "return speculative decoding draft target model verify token"
+).split()
+# Training and evaluation settings that take seconds on the tiny target.
+TINY_TRAIN = {"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1, "threads": 1, "checkpoint_every": 5}
+TINY_EVALUATE = {"sets": ["mt_bench"], "num_prompts": 1, "max_new_tokens": 4, "drafting": [{"steps": 2, "topk": 1, "tokens": 3}], "threads": 1}
+
+
+def synthetic_conversations(path: str | Path, count: int, seed: int = 0, id_prefix: str = "c") -> Path:
+    """A JSONL file of OpenAI-style multi-turn conversations with stable ids."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for i in range(count):
+            messages = []
+            for _ in range(rng.randint(1, 3)):
+                messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 20)))})
+                messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 40)))})
+            handle.write(json.dumps({"id": f"{id_prefix}{i}", "messages": messages}) + "\n")
+    return Path(path)
+
+
+def workflow_config(
+    base: dict,
+    target: str | Path,
+    conversations: str | Path,
+    run: str = "tiny",
+    max_conversations: int = 40,
+    samples_per_shard: int = 10,
+    **train_overrides,
+) -> dict:
+    """``base`` (a workflow config) turned into a run on a tiny target made by make_tiny_target
+    with its defaults: minutes of CPU for the whole pipeline."""
+    config = dict(base, run=run)
+    config["target"] = {"name": "tiny-llama", "path": str(target), "embedded": None, "num_layers": 6, "hidden_size": 64, "vocab_size": 320}
+    config["data"] = dict(
+        base["data"], sources=[{"name": "synthetic", "path": str(conversations)}],
+        max_conversations=max_conversations, samples_per_shard=samples_per_shard, max_len=256,
+    )
+    config["extract"] = dict(base["extract"], disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
+    config["consolidate"] = dict(base["consolidate"], draft_vocab_size=64)
+    config["train"] = {**base.get("train", {}), **TINY_TRAIN, **train_overrides}
+    config["evaluate"] = dict(base.get("evaluate", {}), **TINY_EVALUATE)
+    return config

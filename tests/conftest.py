@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -13,26 +11,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglenest import tiny
+
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
-WORDS = (
-    "the quick brown fox jumps over lazy dog hello world capital France Paris add "
-    "return speculative decoding draft target model verify token"
-).split()
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    from eaglenest import tiny
-
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-llama") / "model", arch="llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    from eaglenest import tiny
-
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-qwen2") / "model", arch="qwen2")
 
 
@@ -48,20 +40,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
 
 def synthetic_conversations(path: Path, count: int, seed: int = 0, id_prefix: str = "c") -> Path:
     """A JSONL file of OpenAI-style multi-turn conversations with stable ids."""
-    rng = random.Random(seed)
-    with open(path, "w") as handle:
-        for i in range(count):
-            messages = []
-            for _ in range(rng.randint(1, 3)):
-                messages.append({"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 20)))})
-                messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 40)))})
-            handle.write(json.dumps({"id": f"{id_prefix}{i}", "messages": messages}) + "\n")
-    return path
-
-
-# Training and evaluation settings that take seconds on the tiny target.
-TINY_TRAIN = {"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1, "threads": 1, "checkpoint_every": 5}
-TINY_EVALUATE = {"sets": ["mt_bench"], "num_prompts": 1, "max_new_tokens": 4, "drafting": [{"steps": 2, "topk": 1, "tokens": 3}], "threads": 1}
+    return tiny.synthetic_conversations(path, count, seed, id_prefix)
 
 
 def share_resources(workdir: Path) -> None:
@@ -74,26 +53,7 @@ def share_resources(workdir: Path) -> None:
 
 def tiny_workflow_config(workdir: Path, target: Path, conversations: Path, **sections) -> Path:
     """Write a config for the tiny target into ``workdir``; ``sections`` update top-level keys."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["run"] = "tiny"
-    config["target"] = {
-        "name": "tiny-llama",
-        "path": str(target),
-        "embedded": None,
-        "num_layers": 6,
-        "hidden_size": 64,
-        "vocab_size": 320,
-    }
-    config["data"].update(
-        sources=[{"name": "synthetic", "path": str(conversations)}],
-        max_conversations=40,
-        samples_per_shard=10,
-        max_len=256,
-    )
-    config["extract"].update(disk_reserve_mb=0, threads=1, tokens_per_batch=2048)
-    config["consolidate"]["draft_vocab_size"] = 64
-    config["train"] = dict(config.get("train", {}), **TINY_TRAIN)
-    config["evaluate"] = dict(config.get("evaluate", {}), **TINY_EVALUATE)
+    config = tiny.workflow_config(yaml.safe_load(DEFAULT_CONFIG.read_text()), target, conversations)
     share_resources(workdir)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
