@@ -51,6 +51,25 @@ def sample_selection(config: dict) -> dict:
     }
 
 
+# Regeneration settings that change the answers (the rest only change how fast).
+REGENERATION_CONTENT = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "on_failure", "model")
+
+
+def regeneration(config: dict) -> dict | None:
+    """The settings that decide the regenerated answers, or None when regeneration is off."""
+    section = config.get("regenerate") or {}
+    if not section.get("enabled", False):
+        return None
+    chosen = {k: section[k] for k in REGENERATION_CONTENT if k in section}
+    return dict(chosen, target=config["target"]["name"], max_len=config["data"]["max_len"])
+
+
+def regeneration_key(config: dict) -> str:
+    """Short hash naming the directory of regenerated shards (results/<run>/regenerated/<key>/)."""
+    settings = dict(regeneration(config) or {}, selection=sample_selection(config))
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def prepared_key(config: dict) -> str:
     """Short hash of everything that decides what prepare writes (sample selection, target).
 
@@ -61,6 +80,8 @@ def prepared_key(config: dict) -> str:
     (docs/reruns.md).
     """
     settings = dict(sample_selection(config), target=config["target"]["name"])
+    if regeneration(config):  # absent when off, so runs without regeneration keep their key
+        settings["regenerate"] = regeneration(config)
     blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

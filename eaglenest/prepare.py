@@ -73,7 +73,7 @@ def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list
 
 
 def prepare(
-    conversations_path: str | os.PathLike,
+    conversations_paths: str | os.PathLike | list,
     target_path: str | os.PathLike,
     output_paths: list[str],
     report_path: str | os.PathLike,
@@ -83,13 +83,17 @@ def prepare(
     """Tokenize every conversation and write one prepared shard per output path.
 
     ``output_paths[i]`` is shard i; the number of paths is the number of shards.
+    ``conversations_paths``: the ingested conversations, or the regenerated shards.
     """
+    if isinstance(conversations_paths, (str, os.PathLike)):
+        conversations_paths = [conversations_paths]
     tokenizer = load_tokenizer(target_path)
     num_shards = len(output_paths)
     buckets: list[list[dict]] = [[] for _ in range(num_shards)]
     dropped: collections.Counter = collections.Counter()
     truncated = 0
-    for conversation in read_conversations(conversations_path):
+    conversations = (c for path in conversations_paths for c in read_conversations(path))
+    for conversation in conversations:
         try:
             input_ids, loss_mask = tokenize_with_mask(tokenizer, conversation["messages"])
         except TemplateError:

@@ -1,7 +1,8 @@
 """A real HTTP server that answers like the patched SGLang server, computed with transformers.
 
 For machines without a GPU (a laptop, CI) and for the tests: it serves
-``GET /eaglenest/info``, ``GET /health`` and ``POST /generate`` exactly as a server
+``GET /eaglenest/info``, ``GET /health``, ``POST /generate`` and ``POST /v1/chat/completions``
+(for the regeneration stage) exactly as a server
 started by eaglenest.sglang_launch does — same request fields, same
 ``meta_info["eaglenest_spool"]`` descriptor, same spool files, written by the same
 function (eaglenest.sglang_patch.spool_prefill_rows) — but runs the target with
@@ -10,8 +11,11 @@ tensors equal the transformers backend's.
 
 Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
 on request N+1 (a server dying mid-shard), ``--delay-s`` answers slowly, ``--drop-rows``
-spools fewer rows than the prompt has (a shape mismatch), ``--impersonate vllm`` answers
-like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the patch.
+spools fewer rows than the prompt has (a shape mismatch), ``--wrong-ids`` computes on another
+first token than was sent (a content mismatch), ``--impersonate vllm`` answers
+like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the patch;
+``--chat-fail-first N`` answers the first N chat requests with 503 (a server warming up),
+``--chat-fail-containing TEXT`` answers 500 to every chat request whose user turns contain TEXT.
 
     python -m eaglenest.standin_server --model DIR --target NAME --port 30000
 """
@@ -19,6 +23,7 @@ like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -99,6 +104,8 @@ def make_handler(options, state: dict):
         def do_POST(self):
             length = int(self.headers.get("Content-Length", 0))
             request = json.loads(self.rfile.read(length) or b"{}")
+            if self.path == "/v1/chat/completions" and options.impersonate is None:
+                return self._chat(request)
             if options.impersonate == "vllm" or self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
             with state["lock"]:
@@ -112,6 +119,8 @@ def make_handler(options, state: dict):
             rid = request.get("rid")
             if not isinstance(input_ids, list) or not input_ids or not isinstance(rid, str):
                 return self._send(400, {"error": {"message": "need input_ids (a list of ints) and rid"}})
+            if options.wrong_ids:  # a server that re-tokenized: same length, another first token
+                input_ids = [(input_ids[0] + 1) % state["model"].model.config.vocab_size, *input_ids[1:]]
             aux, last = state["model"].prefill(input_ids)
             meta = {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": 1,
                     "finish_reason": {"type": "length", "length": 1}}
@@ -127,11 +136,52 @@ def make_handler(options, state: dict):
                 meta[sglang_patch.SPOOL_KEY] = [descriptor]
             return self._send(200, {"text": "", "output_ids": [0], "meta_info": meta})
 
+        def _chat(self, request):
+            """OpenAI chat completions, as SGLang serves them, for the regeneration stage."""
+            with state["lock"]:
+                state["chat_requests"] += 1
+                count = state["chat_requests"]
+            if count <= options.chat_fail_first:
+                return self._send(503, {"error": {"message": f"warming up (request {count})"}})
+            messages = request.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return self._send(400, {"error": {"message": "need messages"}})
+            if options.chat_fail_containing and any(
+                m.get("role") == "user" and options.chat_fail_containing in str(m.get("content")) for m in messages
+            ):
+                return self._send(500, {"error": {"message": "internal error on this prompt"}})
+            if options.delay_s:
+                time.sleep(options.delay_s)
+            with state["generate_lock"]:  # one generate at a time on the one model
+                generator = state.get("chat") or chat_generator(options)
+                state["chat"] = generator
+                generator.settings = dataclasses.replace(
+                    generator.settings,
+                    temperature=float(request.get("temperature", 1.0)),
+                    top_p=float(request.get("top_p", 1.0)),
+                    max_new_tokens=int(request.get("max_tokens", 128)),
+                )
+                (answer,) = generator.generate([messages], seed=int(request.get("seed", 0)))
+            if answer.text is None:
+                return self._send(500, {"error": {"message": answer.error}})
+            return self._send(200, {
+                "id": f"chatcmpl-{count}", "object": "chat.completion", "model": options.target,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                             "finish_reason": answer.finish_reason}],
+                "usage": {"completion_tokens": answer.new_tokens},
+            })
+
     return Handler
 
 
+def chat_generator(options):
+    from eaglenest.regenerate import Settings, TransformersBackend
+
+    return TransformersBackend(options.model, Settings(device="cpu", retries=0))
+
+
 def serve(options) -> None:
-    state = {"lock": threading.Lock(), "requests": 0}
+    state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0}
     state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir)
     server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
     server.daemon_threads = True
@@ -156,7 +206,10 @@ def parse_args(argv=None):
     parser.add_argument("--exit-after", type=int, default=None, help="die on the request after this many")
     parser.add_argument("--delay-s", type=float, default=0.0)
     parser.add_argument("--drop-rows", type=int, default=0)
+    parser.add_argument("--wrong-ids", action="store_true", help="compute on other token ids than were sent")
     parser.add_argument("--impersonate", choices=["vllm", "sglang"], default=None)
+    parser.add_argument("--chat-fail-first", type=int, default=0, help="answer the first N chat requests with 503")
+    parser.add_argument("--chat-fail-containing", default=None, help="answer 500 to chat requests whose user turns contain this text")
     parser.add_argument("--verbose", action="store_true")
     options = parser.parse_args(argv)
     options.layer_ids = options.layer_ids or None

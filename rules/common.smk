@@ -17,6 +17,7 @@ SHARD_IDS = [f"{i:05d}" for i in range(NUM_SHARDS)]
 
 wildcard_constraints:
     shard=r"\d{5}",
+    block=r"\d{5}",
 
 
 def run_path(*parts):
@@ -39,8 +40,78 @@ def prepared_shards():
     return expand(prepared_path("shard-{shard}.safetensors"), shard=SHARD_IDS)
 
 
+def regenerated_path(*parts):
+    return run_path("regenerated", plan.regeneration_key(config), *parts)
+
+
+def regenerated_shards():
+    return expand(regenerated_path("shard-{shard}.jsonl"), shard=SHARD_IDS)
+
+
+def prepare_conversations():
+    """What prepare tokenizes: the target's own answers when regeneration is on."""
+    if plan.regeneration(config):
+        return regenerated_shards()
+    return [run_path("data", "conversations.jsonl")]
+
+
+def regeneration_targets():
+    if plan.regeneration(config):
+        return [regenerated_path("regenerate_report.json")]
+    return []
+
+
 def hidden_shards():
     return expand(run_path("hidden", "shard-{shard}.safetensors"), shard=SHARD_IDS)
+
+
+# extract.backend sglang with extract.sglang.start_server: the shards are cut into blocks
+# of shards_per_server, and each block is extracted through a server of its own (rule
+# sglang_server), a service in one group with the block's shard jobs (docs/cluster.md).
+SERVER_PER_BLOCK = (
+    config["extract"]["backend"] == "sglang"
+    and config["extract"]["sglang"]["start_server"]
+)
+SGLANG_GROUP = "sglang_node" if SERVER_PER_BLOCK else None
+if SERVER_PER_BLOCK and config["extract"]["gpus_per_job"]:
+    raise ValueError(
+        "extract.gpus_per_job is for shard jobs that hold GPUs themselves; with "
+        "extract.sglang.start_server the block's server holds target.tensor_parallel GPUs "
+        "and its shard jobs none: remove extract.gpus_per_job, or set "
+        "extract.sglang.start_server: false for a server started by hand"
+    )
+
+
+def shard_block(shard):
+    """The block of a shard: which server extracts it."""
+    return f"{int(shard) // config['extract']['sglang']['shards_per_server']:05d}"
+
+
+def block_server(wildcards):
+    """A shard job's server as a named input (a service output), or none."""
+    if not SERVER_PER_BLOCK:
+        return {}
+    return {"server": run_path("sglang", f"block-{shard_block(wildcards.shard)}.json")}
+
+
+def extract_gpus():
+    # A client of its block's server holds no GPU: the server job holds them.
+    return 0 if SERVER_PER_BLOCK else config["extract"]["gpus_per_job"]
+
+
+def server_launch_config():
+    """The part of the run's config the launcher reads, as JSON for its command line."""
+    return json.dumps({key: config[key] for key in ("run", "target", "extract")})
+
+
+def launcher_python():
+    """The launcher's interpreter: the rule's conda env under --software-deployment-method
+    conda, else the one running Snakemake (the interpreter script: rules get)."""
+    from snakemake.settings.types import DeploymentMethod
+
+    if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method:
+        return "python"
+    return sys.executable
 
 
 def embedded_target_dir():
@@ -77,6 +148,7 @@ def all_targets():
     # even when everything downstream of it still exists.
     return hidden_shards() + [
         run_path("data", "ingest_report.json"),
+        *regeneration_targets(),
         prepared_path("prepare_report.json"),
         run_path("consolidated", "index.json"),
         run_path("consolidated", "draft_vocab.safetensors"),

@@ -64,9 +64,53 @@ rule ingest:
         "../scripts/ingest.py"
 
 
-rule prepare:
+# Per shard, the same stable sharding as prepare: a crash loses only unfinished shards.
+# What defines a shard's answers is in the directory key (plan.regeneration_key); device,
+# batch sizes, URL and concurrency only change speed and are read by the script.
+rule regenerate:
     input:
         conversations=run_path("data", "conversations.jsonl"),
+        target=target_model_input(),
+    output:
+        conversations=regenerated_path("shard-{shard}.jsonl"),
+        report=regenerated_path("shard-{shard}.report.json"),
+    log:
+        log_path("regenerate", "shard-{shard}.log"),
+    benchmark:
+        benchmark_path("regenerate", "shard-{shard}.tsv")
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: config["regenerate"]["threads"]
+    resources:
+        gpu=config["regenerate"]["gpus_per_job"],
+    params:
+        target_name=config["target"]["name"],
+        num_shards=NUM_SHARDS,
+        max_len=config["data"]["max_len"],
+    script:
+        "../scripts/regenerate.py"
+
+
+rule regenerate_report:
+    input:
+        expand(regenerated_path("shard-{shard}.report.json"), shard=SHARD_IDS),
+    output:
+        report(
+            regenerated_path("regenerate_report.json"),
+            caption="../report/regenerate.rst",
+            category="Data",
+        ),
+    log:
+        log_path("regenerate_report.log"),
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/regenerate_report.py"
+
+
+rule prepare:
+    input:
+        conversations=prepare_conversations(),
         target=target_model_input(),
     output:
         shards=prepared_shards(),

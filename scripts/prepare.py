@@ -5,7 +5,7 @@ from eaglenest import joblog, prepare
 
 joblog.to_file(snakemake.log[0])
 report = prepare.prepare(
-    snakemake.input.conversations,
+    list(snakemake.input.conversations),
     snakemake.config["target"]["path"],
     list(snakemake.output.shards),
     snakemake.output.report,

@@ -1,0 +1,34 @@
+"""Regenerate one shard's assistant turns with the target (rule regenerate).
+
+The shard's answers are defined by the settings in the directory key; device, batch
+sizes, URL and concurrency come from the config and only change speed.
+"""
+import contextlib
+import logging
+
+from eaglenest import gpu_slots, joblog, regenerate
+
+joblog.to_file(snakemake.log[0])
+section = snakemake.config["regenerate"]
+settings = regenerate.Settings.from_config(section)
+gpus = int(snakemake.resources.get("gpu", 0) or 0)
+# Same slot pool as extraction: Snakemake counts GPUs but does not pick one.
+slot = gpu_slots.gpu_slots(gpus) if gpus > 0 and settings.backend == "transformers" else contextlib.nullcontext()
+with slot:
+    report = regenerate.regenerate_shard(
+        snakemake.input.conversations,
+        snakemake.output.conversations,
+        snakemake.output.report,
+        shard_id=int(snakemake.wildcards.shard),
+        num_shards=snakemake.params.num_shards,
+        model_path=snakemake.config["target"]["path"],
+        model_name=snakemake.params.target_name,
+        settings=settings,
+        max_len=snakemake.params.max_len,
+        threads=snakemake.threads,
+    )
+logging.info(
+    "regenerate shard %s: %d/%d turns regenerated, %d failed, %d beyond max_len, %d conversations dropped, %.1f s",
+    snakemake.wildcards.shard, report["regenerated"], report["turns"], report["failed"],
+    report["beyond_max_len"], len(report["dropped_conversations"]), report["seconds"],
+)

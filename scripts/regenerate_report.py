@@ -1,0 +1,8 @@
+"""Sum the shard reports of the regeneration stage (rule regenerate_report)."""
+import logging
+
+from eaglenest import joblog, regenerate
+
+joblog.to_file(snakemake.log[0])
+summary = regenerate.summarize(list(snakemake.input), snakemake.output[0])
+logging.info("regenerated %d of %d assistant turns, %d failed", summary["regenerated"], summary["turns"], summary["failed"])

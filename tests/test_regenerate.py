@@ -1,0 +1,252 @@
+"""The regeneration stage: the target answers every assistant turn itself.
+
+Tiny random-weight targets sample (temperature 1: greedy decoding of random weights
+repeats one whitespace token), the stand-in server answers chat completions over real
+HTTP, and the Snakefile runs the stage per shard, killed and resumed for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglenest import ingest, plan, prepare, regenerate
+from conftest import DEFAULT_CONFIG, REPO, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until
+from test_sglang_protocol import start_standin
+
+SAMPLING = dict(temperature=1.0, max_new_tokens=12, device="cpu", batch_rows=4, retries=2, backoff_s=0.01)
+
+
+@pytest.fixture
+def conversations(tmp_path) -> Path:
+    raw = synthetic_conversations(tmp_path / "raw.jsonl", 16, seed=3)
+    path = tmp_path / "conversations.jsonl"
+    ingest.ingest([{"name": "synthetic", "path": str(raw)}], path, tmp_path / "ingest.json", max_conversations=16, leading_assistant="drop_turn")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def run_shard(conversations, tmp_path, model, name="out", max_len=256, **settings):
+    out, report = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.report.json"
+    result = regenerate.regenerate_shard(
+        conversations, out, report, shard_id=0, num_shards=1, model_path=model, model_name="tiny-llama",
+        settings=regenerate.Settings(**{**SAMPLING, **settings}), max_len=max_len,
+    )
+    assert json.loads(report.read_text()) == result
+    return read_jsonl(out), result
+
+
+def assert_accounted(report: dict) -> None:
+    """Every assistant turn is regenerated, failed (listed) or past max_len; every
+    conversation is written or listed as dropped."""
+    assert report["turns"] == report["regenerated"] + report["failed"] + report["beyond_max_len"] + report["skipped_after_drop"]
+    assert report["failed"] == len(report["failures"])
+    assert report["conversations_in"] == report["conversations_out"] + len(report["dropped_conversations"])
+
+
+def test_end_of_turn_is_the_chat_templates_marker(tiny_llama):
+    tokenizer = prepare.load_tokenizer(tiny_llama)
+    assert regenerate.end_of_turn_ids(tokenizer) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_transformers_backend_answers_every_assistant_turn_and_keeps_the_rest(conversations, tmp_path, tiny_llama):
+    originals = {c["sample_id"]: c for c in ingest.read_conversations(conversations)}
+    written, report = run_shard(conversations, tmp_path, tiny_llama)
+    assert_accounted(report)
+    assert report["conversations_out"] == len(originals) == len(written)
+    assert report["regenerated"] > 0.8 * report["turns"]
+    assert [c["sample_id"] for c in written] == sorted(originals)
+    for conversation in written:
+        original = originals[conversation["sample_id"]]["messages"]
+        assert [m["role"] for m in conversation["messages"]] == [m["role"] for m in original]
+        for k, (new, old) in enumerate(zip(conversation["messages"], original)):
+            if old["role"] != "assistant":
+                assert new == old, "user and system turns stay as they were"
+            elif k in conversation["regenerated_turns"]:
+                assert new["content"] and "<|im_end|>" not in new["content"]
+    # Same settings, same answers: a rerun of a lost shard reproduces it.
+    again, _ = run_shard(conversations, tmp_path, tiny_llama, name="again")
+    assert again == written
+
+
+def test_later_turns_are_answered_after_the_regenerated_earlier_ones(conversations, tmp_path, tiny_llama):
+    written, _ = run_shard(conversations, tmp_path, tiny_llama)
+    multi = next(c for c in written if len(c["regenerated_turns"]) >= 2)
+    second = multi["regenerated_turns"][1]
+    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings(**SAMPLING))
+    # The prompt of the second answer holds the first regenerated answer, not the original.
+    prompt = prepare.render(backend.tokenizer, multi["messages"][:second], add_generation_prompt=True)
+    assert multi["messages"][multi["regenerated_turns"][0]]["content"] in prompt
+
+
+def test_turns_past_max_len_keep_their_text_and_are_counted(conversations, tmp_path, tiny_llama):
+    originals = {c["sample_id"]: c for c in ingest.read_conversations(conversations)}
+    written, report = run_shard(conversations, tmp_path, tiny_llama, max_len=40)
+    assert report["beyond_max_len"] > 0 and report["failed"] == 0
+    assert_accounted(report)
+    kept = sum(
+        1 for c in written for k, m in enumerate(c["messages"])
+        if m["role"] == "assistant" and k not in c["regenerated_turns"] and m == originals[c["sample_id"]]["messages"][k]
+    )
+    assert kept == report["beyond_max_len"]
+
+
+def test_batching_bounds_rows_and_tokens(tiny_llama):
+    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings(**{**SAMPLING, "batch_rows": 3, "tokens_per_batch": 200}))
+    lengths = [50, 10, 90, 20, 30, 5, 60]
+    groups = backend.batches(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert len(group) <= 3
+        assert len(group) == 1 or len(group) * (longest + 12) <= 200
+
+
+@pytest.fixture
+def chat_server(tmp_path, tiny_llama):
+    started = []
+
+    def start(*extra):
+        process, url, _ = start_standin(tmp_path, tiny_llama, *extra)
+        started.append(process)
+        return url
+
+    yield start
+    for process in started:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def test_openai_backend_retries_a_server_that_is_warming_up(conversations, tmp_path, tiny_llama, chat_server):
+    url = chat_server("--chat-fail-first", "3")
+    written, report = run_shard(conversations, tmp_path, tiny_llama, backend="openai", url=url, concurrency=1, retries=3)
+    assert_accounted(report)
+    assert report["failed"] == 0 and report["retried"] >= 1
+    assert report["regenerated"] > 0.8 * report["turns"]
+
+
+@pytest.mark.parametrize("on_failure", ["keep_original", "drop_conversation"])
+def test_openai_backend_lists_every_turn_that_keeps_failing(conversations, tmp_path, tiny_llama, chat_server, on_failure):
+    originals = {c["sample_id"]: c for c in ingest.read_conversations(conversations)}
+    poisoned = {sid for sid, c in originals.items() if any("capital" in m["content"] for m in c["messages"] if m["role"] == "user")}
+    assert poisoned, "the fixture must contain prompts the server refuses"
+    url = chat_server("--chat-fail-containing", "capital")
+    written, report = run_shard(conversations, tmp_path, tiny_llama, backend="openai", url=url, concurrency=2, retries=1,
+                                on_failure=on_failure, max_len=2048)
+    assert_accounted(report)
+    failed_ids = {f["sample_id"] for f in report["failures"]}
+    assert failed_ids == poisoned
+    assert all(f["attempts"] == 2 and "HTTP 500" in f["error"] for f in report["failures"])
+    by_id = {c["sample_id"]: c for c in written}
+    if on_failure == "keep_original":
+        assert set(by_id) == set(originals)
+        for failure in report["failures"]:
+            turn = by_id[failure["sample_id"]]["messages"][failure["turn"]]
+            assert turn == originals[failure["sample_id"]]["messages"][failure["turn"]]
+    else:
+        assert set(report["dropped_conversations"]) == poisoned
+        assert set(by_id) == set(originals) - poisoned
+
+
+def test_unreachable_server_fails_every_turn_on_record_without_crashing(conversations, tmp_path, tiny_llama):
+    written, report = run_shard(conversations, tmp_path, tiny_llama, backend="openai", url="http://127.0.0.1:9", retries=1)
+    assert_accounted(report)
+    assert report["regenerated"] == 0 and report["failed"] == report["turns"] - report["beyond_max_len"]
+    assert "URLError" in report["failures"][0]["error"]
+    assert len(written) == report["conversations_in"]
+
+
+def test_prepared_key_changes_with_the_answers_not_with_speed_settings():
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    off = plan.prepared_key(config)
+    config["regenerate"] = {"enabled": False, "temperature": 0.7}
+    assert plan.prepared_key(config) == off, "regeneration off: the key of existing runs stays"
+    config["regenerate"] = {"enabled": True, "temperature": 0.0, "batch_rows": 8}
+    on = plan.prepared_key(config)
+    assert on != off
+    config["regenerate"].update(batch_rows=256, device="cuda", concurrency=64, url="http://node:30000")
+    assert plan.prepared_key(config) == on
+    config["regenerate"]["temperature"] = 0.7
+    assert plan.prepared_key(config) != on
+
+
+REGENERATE_TINY = {"enabled": True, **{k: v for k, v in SAMPLING.items() if k != "backoff_s"}, "threads": 1}
+
+
+def regenerated_files(workdir: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted((workdir / "results").glob("*/regenerated/*/shard-*"))}
+
+
+def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    for workdir in (reference_dir, killed_dir):
+        workdir.mkdir()
+    reference_config = tiny_workflow_config(reference_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY)
+    run_snakemake(reference_dir, reference_config, "--cores", "1", "prepare", "regenerate_report")
+    reference = regenerated_files(reference_dir)
+    assert len(reference) == 2 * plan.num_shards(yaml.safe_load(reference_config.read_text()))
+    summary = json.loads(next((reference_dir / "results").glob("*/regenerated/*/regenerate_report.json")).read_text())
+    assert_accounted(summary)
+    assert summary["regenerated"] > 0.8 * summary["turns"]
+
+    # Kill the whole workflow as soon as the first shard is finished, then resume.
+    configfile = tiny_workflow_config(killed_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY)
+    process = subprocess.Popen(snakemake_command(killed_dir, configfile, "--cores", "1", "prepare", "regenerate_report"),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert wait_until(lambda: len(regenerated_files(killed_dir)) >= 4, timeout=300)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    survived = regenerated_files(killed_dir)
+    assert 4 <= len(survived) < len(reference), "the kill must land mid-stage"
+    time.sleep(0.01)
+    run_snakemake(killed_dir, configfile, "--cores", "1", "--unlock")
+    run_snakemake(killed_dir, configfile, "--cores", "1", "--rerun-incomplete", "prepare", "regenerate_report")
+    resumed = regenerated_files(killed_dir)
+    # With one core at most one shard job was in flight: Snakemake remakes its outputs
+    # (written, not yet recorded as done); every other finished shard stays untouched.
+    remade = {name.split(".")[0] for name, stat in survived.items() if resumed[name] != stat}
+    assert len(remade) <= 1, f"finished shards were remade: {sorted(remade)}"
+    # The answers equal the uninterrupted run's (reports differ only in their timings).
+    answers = lambda files: {n: d for n, (d, _) in files.items() if n.endswith(".jsonl")}  # noqa: E731
+    assert answers(resumed) == answers(reference)
+    assert not list(killed_dir.rglob("*.tmp*"))
+
+
+@pytest.mark.slow
+def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
+    """The real target on a handful of real turns, greedy, through the Snakefile."""
+    os.symlink(REPO / "resources", tmp_path / "resources")
+    (REPO / "resources").mkdir(exist_ok=True)
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["run"] = "regenerate-smollm2"
+    config["data"].update(max_conversations=4, samples_per_shard=2, max_len=384)
+    config["regenerate"] = {"enabled": True, "max_new_tokens": 24, "threads": 2, "device": "cpu"}
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    run_snakemake(tmp_path, configfile, "--cores", "2", "prepare", "regenerate_report")
+    summary = json.loads(next(tmp_path.glob("results/*/regenerated/*/regenerate_report.json")).read_text())
+    assert_accounted(summary)
+    assert summary["failed"] == 0 and summary["regenerated"] >= 3
+    answers = [
+        c["messages"][k]["content"]
+        for path in tmp_path.glob("results/*/regenerated/*/shard-*.jsonl")
+        for c in read_jsonl(path) for k in c["regenerated_turns"]
+    ]
+    assert len(answers) == summary["regenerated"]
+    # Real answers: words, and none carries the template's markers.
+    assert all(len(a.split()) >= 3 and "<|im_" not in a for a in answers)
+    prepared = json.loads(next(tmp_path.glob("results/*/prepared/*/prepare_report.json")).read_text())
+    assert prepared["samples"] == summary["conversations_out"] and prepared["loss_tokens"] > 0
