@@ -475,7 +475,7 @@ def extract_shard(
 
     prepared_path, hidden_path = Path(prepared_path), Path(hidden_path)
     hidden_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.remove_stale_temps(hidden_path.parent)
+    atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
     prepared = shards.verify_shard(prepared_path, deep=True)
     started = time.perf_counter()
     if model is None:

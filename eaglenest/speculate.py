@@ -38,6 +38,7 @@ no cycle and is counted in neither.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass, field
@@ -114,6 +115,19 @@ def tree_attention_mask(parents: list[int], past_length: int, dtype: torch.dtype
     mask = torch.zeros(full.shape, dtype=dtype)
     mask.masked_fill_(~full, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def returned_cache(output):
+    """The KV cache a forward returned: ``cache`` since transformers 5.2x, ``past_key_values``
+    before (an H200 image may carry an older 5.x than the pinned one)."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def cache_argument(model, cache) -> dict:
+    """The keyword that hands ``model`` its KV cache, by the name its forward takes."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return {"cache": cache}
+    return {"past_key_values": cache}
 
 
 def keep_cache_entries(cache, past_length: int, keep: list[int]) -> None:
@@ -364,7 +378,7 @@ class SpeculativeDecoder:
         try:
             prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
             out = self.target(input_ids=prompt, use_cache=True)
-            cache = out.cache
+            cache = returned_cache(out)
             aux = capture.take()[0]
             first = self._pick(out.logits[0, -1], temperature, generator)
             result = Generation(tokens=[first])
@@ -383,7 +397,7 @@ class SpeculativeDecoder:
                 dtype = next(self.target.parameters()).dtype
                 mask = tree_attention_mask(tree.parents, root_position, dtype).to(device)
                 out = self.target(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                  cache=cache, use_cache=True)
+                                  use_cache=True, **cache_argument(self.target, cache))
                 aux = capture.take()[0]
                 path, new_tokens = self._accept(tree, out.logits[0], temperature, generator)
                 keep_cache_entries(cache, root_position, path)
@@ -455,8 +469,8 @@ def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_token_
     out = target(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
-        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), cache=out.cache,
-                     use_cache=True)
+        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
+                     **cache_argument(target, returned_cache(out)))
         tokens.append(int(out.logits[0, -1].argmax()))
     return Generation(tokens=tokens, seconds=time.perf_counter() - began)
 

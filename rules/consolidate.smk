@@ -19,6 +19,7 @@ rule consolidate:
         benchmark_path("consolidate.tsv")
     conda:
         "../envs/eaglenest.yaml"
+    threads: config["consolidate"]["threads"]
     params:
         target_name=config["target"]["name"],
         target_vocab_size=config["target"]["vocab_size"],

@@ -19,5 +19,6 @@ index = consolidate.consolidate(
     },
     val_fraction=snakemake.params.val_fraction,
     seed=snakemake.params.seed,
+    threads=snakemake.threads,
 )
 logging.info("consolidated: %s", index["totals"])

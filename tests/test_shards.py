@@ -95,3 +95,30 @@ def test_bytes_per_token_matches_the_planner():
 
     assert shards.hidden_bytes_per_token(576, 3, "bfloat16") == plan.bytes_per_token(576, 3, "bfloat16") == 4613
     assert plan.bytes_per_token(7168, 3, "bfloat16") == 57349
+
+
+def test_finite_check_finds_fp8_nan_patterns_and_bf16_infinities_in_any_chunk():
+    values = torch.randn(1000, 8)
+    fp8 = values.to(torch.float8_e4m3fn)
+    assert shards.all_finite(fp8, rows_per_chunk=64)
+    for pattern in (0x7F, 0xFF):  # e4m3fn's only NaNs, positive and negative
+        damaged = fp8.clone()
+        damaged.view(torch.uint8)[777, 3] = pattern
+        assert not shards.all_finite(damaged, rows_per_chunk=64)
+    bf16 = values.to(torch.bfloat16)
+    assert shards.all_finite(bf16, rows_per_chunk=64)
+    bf16[999, 7] = float("inf")
+    assert not shards.all_finite(bf16, rows_per_chunk=64)
+
+
+def test_a_starting_job_removes_only_its_own_stale_temps(tmp_path):
+    """Shard jobs share a directory: one job's cleanup must not delete the file another
+    job is writing at that moment (seen with 8 extraction jobs on one node)."""
+    from eaglenest import atomic
+
+    mine = tmp_path / f"shard-00001.safetensors{atomic.TMP_MARKER}111"
+    running = tmp_path / f"shard-00002.safetensors{atomic.TMP_MARKER}222"
+    for path in (mine, running):
+        path.write_bytes(b"partial")
+    assert atomic.remove_stale_temps(tmp_path, "shard-00001.safetensors") == [mine]
+    assert running.exists() and not mine.exists()
