@@ -35,6 +35,14 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path``: the disk a full-disk message names."""
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _is_enospc(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
@@ -61,8 +69,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             free = shutil.disk_usage(final.parent).free
             raise DiskFullError(
                 errno.ENOSPC,
-                f"disk full while writing {final} ({free:,} bytes free on its "
-                f"filesystem); the partial file was removed. Free space, then rerun.",
+                f"disk full while writing {final} ({free:,} bytes free on the filesystem "
+                f"mounted at {mount_point(final.parent)}); the partial file was removed. Free space, then rerun.",
             ) from exc
         raise
 
@@ -86,13 +94,17 @@ def write_with(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
         writer(tmp)
 
 
-def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
-    """Delete temp files left by killed writers; returns what was removed."""
+def remove_stale_temps(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Delete temp files left by killed writers; returns what was removed.
+
+    With ``name``, only the temps of that one output: a job owns its output path, but
+    other jobs write their own temps into the same directory at the same time.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
     removed = []
-    for leftover in directory.glob(f"*{TMP_MARKER}*"):
+    for leftover in directory.glob(f"{name or '*'}{TMP_MARKER}*"):
         with contextlib.suppress(FileNotFoundError):
             leftover.unlink()
             removed.append(leftover)
