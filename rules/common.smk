@@ -88,10 +88,13 @@ def shard_block(shard):
 
 
 def block_server(wildcards):
-    """A shard job's server as a named input (a service output), or none."""
+    """A shard job's server as a named input, or none. Flagged service(), Snakemake records
+    it as "<service>" for the input rerun trigger, not by path: a shard that moves to
+    another block (a changed shards_per_server) is not extracted again."""
     if not SERVER_PER_BLOCK:
         return {}
-    return {"server": run_path("sglang", f"block-{shard_block(wildcards.shard)}.json")}
+    block = shard_block(wildcards.shard)
+    return {"server": service(run_path("sglang", f"block-{block}.json"))}
 
 
 def extract_gpus():
@@ -99,9 +102,30 @@ def extract_gpus():
     return 0 if SERVER_PER_BLOCK else config["extract"]["gpus_per_job"]
 
 
+def extract_threads():
+    # A client of its block's server mostly waits on it. Snakemake adds up the threads of
+    # a service and all its consumers and refuses a group above --cores, even in a dry
+    # run (which plans with one core): clients that count none keep a block plannable.
+    return 0 if SERVER_PER_BLOCK else config["extract"]["threads"]
+
+
 def server_launch_config():
     """The part of the run's config the launcher reads, as JSON for its command line."""
     return json.dumps({key: config[key] for key in ("run", "target", "extract")})
+
+
+def untracked_param(value):
+    """A param of rule sglang_server that never reruns the shards its server served.
+
+    Snakemake records params for the params rerun trigger, except those computed from the
+    output ("derived"). A server job that Snakemake finds changed must run again, and so
+    must every consumer of its service: a new interpreter path or timeout must not."""
+    return lambda wildcards, output: value
+
+
+def server_state_dir(wildcards, output):
+    # Of the output too, like untracked_param: where the logs go is no reason to rerun.
+    return log_path("sglang", f"block-{wildcards.block}")
 
 
 def launcher_python():

@@ -10,6 +10,7 @@
 
 rule extract_hidden_states:
     input:
+        unpack(block_server),
         prepared=ancient(prepared_path("shard-{shard}.safetensors")),
         target=target_model_input(),
     output:
@@ -18,14 +19,51 @@ rule extract_hidden_states:
         log_path("extract", "shard-{shard}.log"),
     benchmark:
         benchmark_path("extract", "shard-{shard}.tsv")
+    group:
+        SGLANG_GROUP
     conda:
         "../envs/eaglenest.yaml"
-    threads: config["extract"]["threads"]
+    threads: extract_threads()
     resources:
-        gpu=config["extract"]["gpus_per_job"],
+        gpu=extract_gpus(),
     params:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
     script:
         "../scripts/extract_shard.py"
+
+
+# One patched SGLang server per block of extract.sglang.shards_per_server shards
+# (docs/cluster.md). A service: Snakemake starts it together with the block's shard jobs
+# (its consumers, in the same group) and terminates it when the last of them is done; on
+# Slurm the group is one allocation of one node. A block whose shards all exist has no
+# consumer left, so a rerun starts no server for it.
+rule sglang_server:
+    output:
+        service(run_path("sglang", "block-{block}.json")),
+    log:
+        launcher=log_path("sglang", "block-{block}", "launcher.log"),
+        server=log_path("sglang", "block-{block}", "server.log"),
+    group:
+        "sglang_node"
+    conda:
+        "../envs/sglang.yaml"
+    threads: 1
+    resources:
+        gpu=config["target"]["tensor_parallel"],
+    params:
+        state_dir=server_state_dir,
+        config_json=untracked_param(server_launch_config()),
+        python=untracked_param(launcher_python()),
+        repo=untracked_param(workflow.basedir),
+    # touch: the consumers fail unless the service file exists within --latency-wait,
+    # long before a model is loaded; the launcher then writes its state into it.
+    # exec: Snakemake's SIGTERM must reach the launcher, which stops the server.
+    # PYTHONPATH: the sglang env does not install eaglenest (envs/sglang.yaml).
+    shell:
+        "touch {output:q} && "
+        "PYTHONPATH={params.repo:q}${{PYTHONPATH:+:$PYTHONPATH}} "
+        "exec {params.python:q} -m eaglenest.sglang_launch --service-file {output:q} "
+        "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "
+        "> {log.launcher:q} 2>&1"

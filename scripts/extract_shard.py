@@ -6,9 +6,15 @@ import contextlib
 import logging
 import os
 
-import torch
+# A client of its block's server counts no threads (rules/common.smk, extract_threads),
+# which Snakemake exports as OMP_NUM_THREADS=0 and the like; OpenMP rejects 0 loudly.
+for variable, value in list(os.environ.items()):
+    if variable.endswith("_THREADS") and value == "0":
+        os.environ[variable] = "1"
 
-from eaglenest import extract, gpu_slots, joblog, sglang_client
+import torch  # noqa: E402  (after the thread variables are fixed)
+
+from eaglenest import extract, gpu_slots, joblog, sglang_client, sglang_launch
 
 stream = joblog.to_file(snakemake.log[0])
 # Which GPUs this job was handed (by Slurm or the local slot pool) belongs in its log.
@@ -20,10 +26,16 @@ target = snakemake.config["target"]
 if settings["backend"] == "sglang":
     # A client of the patched SGLang server (docs/sglang.md); same shard contract.
     server = settings["sglang"]
+    url = server["url"]
+    if "server" in snakemake.input.keys():
+        # Its block's server, started by Snakemake beside this job: wait until it is loaded.
+        record = sglang_launch.wait_for_service(snakemake.input.server, server["startup_timeout_s"])
+        url = record["url"]
+        logging.getLogger("eaglenest.extract").info("block server ready at %s (pid %s)", url, record["server_pid"])
     sglang_client.extract_shard_via_server(
         snakemake.input.prepared,
         snakemake.output[0],
-        url=server["url"],
+        url=url,
         target_name=snakemake.params.target_name,
         layer_ids=snakemake.params.layer_ids,
         hidden_size=target["hidden_size"],

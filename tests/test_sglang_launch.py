@@ -65,7 +65,8 @@ def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_pat
         conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
         workdir = tmp_path / "work"
         workdir.mkdir()
-        sglang = {"url": url, "spool_dir": str(spool), "concurrency": 4, "backoff_s": 0.1}
+        # A server started beside the workflow (start_server false), as by hand.
+        sglang = {"url": url, "spool_dir": str(spool), "concurrency": 4, "backoff_s": 0.1, "start_server": False}
         configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
         run_snakemake(workdir, configfile)
     finally:
@@ -86,7 +87,7 @@ def test_dry_run_of_a_tensor_parallel_8_sglang_config_plans_gpu_resources(tmp_pa
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
     configfile = tiny_workflow_config(
         tmp_path, tiny_llama, conversations,
-        extract={"backend": "sglang", "gpus_per_job": 8},
+        extract={"backend": "sglang", "gpus_per_job": 8, "sglang": {"start_server": False}},
     )
     config = yaml.safe_load(configfile.read_text())
     config["target"]["tensor_parallel"] = 8

@@ -1,0 +1,280 @@
+"""One server per block of shards: rule sglang_server, a Snakemake service grouped with its
+block's shard jobs, through the real Snakefile. The server is the stand-in
+(extract.sglang.standin: a real HTTP server computing with transformers on the CPU),
+started, waited on and stopped by the same launcher and rules as the patched SGLang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import (
+    REPO, SNAKEFILE, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config,
+    wait_until,
+)
+from eaglenest import extract, sglang_client, sglang_launch, sglang_patch, shards
+from group_jobs import planned_group_jobs
+
+SHARDS = [f"{i:05d}" for i in range(4)]
+BLOCK_OF = {"00000": "00000", "00001": "00000", "00002": "00001", "00003": "00001"}  # 2 shards per server
+TARGETS = [f"results/tiny/hidden/shard-{shard}.safetensors" for shard in SHARDS]
+
+
+def service_run(tmp_path: Path, tiny_llama: Path) -> tuple[Path, Path, Path]:
+    """A tiny run whose 4 shards are extracted by 2 stand-in servers (blocks of 2 shards)."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    spool = tmp_path / "spool"  # unique to this test: it marks the test's server processes
+    sglang = {"standin": True, "shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
+    return workdir, configfile, spool
+
+
+def hidden(workdir: Path, shard: str) -> Path:
+    return workdir / "results" / "tiny" / "hidden" / f"shard-{shard}.safetensors"
+
+
+def state_dir(workdir: Path, block: str) -> Path:
+    return workdir / "logs" / "tiny" / "sglang" / f"block-{block}"
+
+
+def processes_mentioning(marker: str) -> dict[int, str]:
+    """Live processes (zombies excluded) whose command line contains ``marker``."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            zombie = "\nState:\tZ" in (proc / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if marker in cmdline and not zombie:
+            found[int(proc.name)] = cmdline
+    return found
+
+
+def block_server_pid(service_file: Path, spool: Path) -> int | None:
+    """Pid of the server process a block's launcher started, once it runs."""
+    record = sglang_launch.read_service_record(service_file)
+    if record is None:
+        return None
+    for pid, cmdline in processes_mentioning(str(spool)).items():
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, IndexError, ValueError):
+            continue
+        if "eaglenest.standin_server" in cmdline and parent == record["launcher_pid"]:
+            return pid
+    return None
+
+
+def assert_no_server_left(spool: Path, servers: list[dict]) -> None:
+    """Neither a launcher nor a server of this run is alive, and no server port answers."""
+    assert wait_until(lambda: not processes_mentioning(str(spool)), timeout=30), processes_mentioning(str(spool))
+    for server in servers:
+        assert not Path(f"/proc/{server['pid']}").exists() or "\nState:\tZ" in Path(f"/proc/{server['pid']}/status").read_text()
+        address = urllib.parse.urlsplit(server["url"])
+        with socket.socket() as probe:
+            assert probe.connect_ex((address.hostname, address.port)) != 0, f"{server['url']} still answers"
+
+
+def assert_equals_transformers_backend(workdir: Path, tmp_path: Path, shard: str) -> None:
+    """The shard bit for bit as the transformers backend writes it (one sample per forward)."""
+    path = hidden(workdir, shard)
+    (prepared,) = (workdir / "results" / "tiny" / "prepared").rglob(path.name)
+    reference = tmp_path / "transformers" / path.name
+    if not reference.exists():
+        target = tiny_workflow_target(workdir)
+        extract.extract_shard(prepared, reference, target, "tiny-llama", [2, 3, 3], device="cpu", check_disk=False, tokens_per_batch=1)
+    via_server, direct = shards.verify_shard(path, deep=True).tensors(), shards.verify_shard(reference).tensors()
+    for name in shards.HIDDEN_TENSORS:
+        assert torch.equal(via_server[name], direct[name]), f"{path.name}: {name}"
+
+
+def tiny_workflow_target(workdir: Path) -> str:
+    return yaml.safe_load((workdir / "config.yaml").read_text())["target"]["path"]
+
+
+def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_path, tiny_llama):
+    workdir, configfile, spool = service_run(tmp_path, tiny_llama)
+    started = time.monotonic()
+    run_snakemake(workdir, configfile, "--cores", "4", *TARGETS)
+    print(f"2 blocks of 2 shards through 2 stand-in servers: {time.monotonic() - started:.0f} s")
+
+    servers = {block: json.loads((state_dir(workdir, block) / "server.json").read_text()) for block in ("00000", "00001")}
+    assert servers["00000"]["pid"] != servers["00001"]["pid"]
+    for block in servers:
+        launcher_log = (state_dir(workdir, block) / "launcher.log").read_text()
+        assert launcher_log.count("ready: ") == 1 and "stopped: " in launcher_log, launcher_log
+    for shard in SHARDS:
+        log = (workdir / "logs" / "tiny" / "extract" / f"shard-{shard}.log").read_text()
+        # Each shard was extracted by its own block's server, which it waited for.
+        assert f"block server ready at {servers[BLOCK_OF[shard]]['url']} " in log, log
+        assert "backend': 'sglang'" in log
+        assert_equals_transformers_backend(workdir, tmp_path, shard)
+    assert_no_server_left(spool, list(servers.values()))
+    assert list(spool.iterdir()) == []  # every spooled sample was consumed
+    # The launcher and Snakemake both remove a service file when its group is done.
+    assert not list((workdir / "results" / "tiny" / "sglang").glob("block-*"))
+    assert planned_jobs(workdir, configfile, *TARGETS) == {}
+
+    # How the servers are started is no part of a shard: another block size, other server
+    # timeouts or flags plan nothing (docs/reruns.md).
+    settings = yaml.safe_load(configfile.read_text())
+    settings["extract"]["sglang"].update(
+        shards_per_server=3, concurrency=2, startup_timeout_s=120, extra_args=["--mem-fraction-static", "0.8"]
+    )
+    configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
+    assert planned_jobs(workdir, configfile, *TARGETS) == {}
+    # Shards made through servers have one input more than the transformers backend's (the
+    # service), so the input trigger plans them again after a switch of backend.
+    settings["extract"]["backend"] = "transformers"
+    configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
+    assert planned_jobs(workdir, configfile, *TARGETS) == {"extract_hidden_states": 4}
+
+
+def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_block(tmp_path, tiny_llama):
+    workdir, configfile, spool = service_run(tmp_path, tiny_llama)
+    service_file = {block: workdir / "results" / "tiny" / "sglang" / f"block-{block}.json" for block in ("00000", "00001")}
+    # --cores 1: a block's group counts its server's one thread, so one block runs at a time.
+    process = subprocess.Popen(
+        snakemake_command(workdir, configfile, "--cores", "1", *TARGETS), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    killed = None
+    try:
+        deadline = time.monotonic() + 300
+        while killed is None and time.monotonic() < deadline and process.poll() is None:
+            done = {shard for shard in SHARDS if hidden(workdir, shard).exists()}
+            for finished, running in (("00000", "00001"), ("00001", "00000")):
+                if not {s for s in SHARDS if BLOCK_OF[s] == finished} <= done:
+                    continue
+                if {s for s in SHARDS if BLOCK_OF[s] == running} <= done:
+                    continue
+                server_pid = block_server_pid(service_file[running], spool)
+                if server_pid is not None:
+                    os.killpg(process.pid, signal.SIGKILL)  # Snakemake, its jobs and the launcher
+                    killed = (finished, running, server_pid)
+                    break
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None and killed is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        output = process.communicate(timeout=60)[0]
+    assert killed, f"never saw one block finished while the other's server ran:\n{output[-4000:]}"
+    finished, running, server_pid = killed
+    # The server is in a session of its own, out of reach of the kill; it dies with its
+    # launcher (parent-death signal), and nothing of the run is left.
+    assert wait_until(lambda: server_pid not in processes_mentioning(str(spool)), timeout=30), "the server outlived the kill"
+    assert not processes_mentioning(str(spool))
+
+    missing = [shard for shard in SHARDS if not hidden(workdir, shard).exists()]
+    assert missing and all(BLOCK_OF[shard] == running for shard in missing)
+    survivors = {s: (hidden(workdir, s).stat().st_mtime_ns, hidden(workdir, s).read_bytes()) for s in SHARDS if s not in missing}
+    finished_launcher_log = (state_dir(workdir, finished) / "launcher.log").read_bytes()
+    # One server, for the block with missing shards; none for the finished block.
+    assert planned_jobs(workdir, configfile, *TARGETS) == {"sglang_server": 1, "extract_hidden_states": len(missing)}
+
+    run_snakemake(workdir, configfile, "--unlock")  # the killed run's lock, as a user would
+    run_snakemake(workdir, configfile, "--cores", "1", *TARGETS)
+    for shard, (mtime, data) in survivors.items():
+        assert hidden(workdir, shard).stat().st_mtime_ns == mtime and hidden(workdir, shard).read_bytes() == data, shard
+    assert (state_dir(workdir, finished) / "launcher.log").read_bytes() == finished_launcher_log
+    for shard in SHARDS:
+        assert_equals_transformers_backend(workdir, tmp_path, shard)
+    server = json.loads((state_dir(workdir, running) / "server.json").read_text())
+    assert_no_server_left(spool, [server])
+    assert planned_jobs(workdir, configfile, *TARGETS) == {}
+
+
+def test_kimi_dry_run_plans_one_eight_gpu_server_per_block_of_shards(tmp_path):
+    """config/kimi-k2.5.yaml (TP 8, 240 shards, 8 per server) through profiles/slurm: every
+    block is one group job that asks for the node's 8 GPUs once, however many shards it has."""
+    kimi = REPO / "config" / "kimi-k2.5.yaml"
+    counts = planned_jobs(tmp_path, kimi)
+    assert counts["sglang_server"] == 30 and counts["extract_hidden_states"] == 240
+
+    groups = planned_group_jobs(SNAKEFILE, tmp_path, kimi, REPO / "profiles" / "slurm")
+    assert len(groups) == 30
+    blocks = set()
+    for group in groups:
+        assert group["group"] == "sglang_node"
+        (server,) = [job for job in group["jobs"] if job["rule"] == "sglang_server"]
+        clients = [job for job in group["jobs"] if job["rule"] == "extract_hidden_states"]
+        block = int(server["wildcards"]["block"])
+        blocks.add(block)
+        assert sorted(int(job["wildcards"]["shard"]) for job in clients) == list(range(8 * block, 8 * block + 8))
+        assert server["resources"]["gpu"] == 8 and all(job["resources"]["gpu"] == 0 for job in clients)
+        # What the allocation asks for: the server's GPUs and CPUs once, memory for the
+        # server and its 8 clients, the longest job's time.
+        assert group["resources"]["gpu"] == 8
+        assert group["resources"]["cpus_per_gpu"] == 12
+        assert group["resources"]["mem_mb"] == 1_000_000 + 8 * 40_000
+        assert group["resources"]["runtime"] == 720
+        assert group["threads"] == 1  # clients count no threads: plannable with one core
+    assert blocks == set(range(30))
+
+
+def test_shard_jobs_that_would_hold_gpus_beside_their_server_are_refused(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, extract={"backend": "sglang", "gpus_per_job": 8})
+    result = run_snakemake(tmp_path, configfile, "-n", check=False)
+    assert result.returncode != 0
+    assert "with extract.sglang.start_server the block's server holds target.tensor_parallel GPUs" in result.stdout + result.stderr
+
+
+def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]:
+    """The launcher as rule sglang_server runs it, outside Snakemake."""
+    config = {
+        "run": "tiny",
+        "target": {"name": "tiny-llama", "path": str(model), "num_layers": 6, "hidden_size": 64, "vocab_size": 320},
+        "extract": {"layer_ids": "default", "sglang": {"standin": True, "spool_dir": str(tmp_path / "spool")}},
+    }
+    service_file = tmp_path / "block-00000.json"
+    command = [
+        sys.executable, "-m", "eaglenest.sglang_launch", "--service-file", str(service_file),
+        "--state-dir", str(tmp_path / "state"), "--config-json", json.dumps(config),
+    ]
+    log = open(tmp_path / "launcher.log", "w")
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), service_file
+
+
+def test_launcher_as_a_service_publishes_its_server_and_stops_it_on_sigint(tmp_path, tiny_llama):
+    launcher, service_file = launch_service(tmp_path, tiny_llama)
+    try:
+        record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120)
+        assert record["launcher_pid"] == launcher.pid and record["info"]["target"] == "tiny-llama"
+        assert sglang_client.check_server(record["url"], "tiny-llama", [2, 3, 3], 64)["server"] == sglang_patch.SERVER_KIND
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C; Snakemake sends SIGTERM, tested through the workflow
+        assert launcher.wait(timeout=60) == 0, (tmp_path / "launcher.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not service_file.exists()
+    assert_no_server_left(tmp_path / "spool", [{"pid": record["server_pid"], "url": record["url"]}])
+
+
+def test_shard_jobs_learn_at_once_why_their_server_did_not_start(tmp_path):
+    launcher, service_file = launch_service(tmp_path, tmp_path / "no-model-here")
+    started = time.monotonic()
+    try:
+        with pytest.raises(sglang_client.SglangServerError, match=r"the block's SGLang server failed: .*config\.json not found"):
+            sglang_launch.wait_for_service(service_file, startup_timeout_s=3600)
+        assert time.monotonic() - started < 60  # not the hour of the startup timeout
+        assert launcher.wait(timeout=60) != 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
