@@ -15,6 +15,8 @@ backoff; after ``max_consecutive_failures`` failed attempts in a row the job sto
 with a message naming the server. A protocol error (wrong rows, wrong ids, no
 descriptor) is not retried. Either way nothing is written: the shard appears
 atomically at the end or not at all, and Snakemake's ``retries`` can rerun the job.
+A timed-out request still ends on the server, whose late answer spools a file nobody
+reads; the shard's next job (and this one, once done) removes the shard's spool files.
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ def extract_shard_via_server(
 
     prepared_path, hidden_path = Path(prepared_path), Path(hidden_path)
     hidden_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.remove_stale_temps(hidden_path.parent)
+    atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
     prepared = shards.verify_shard(prepared_path, deep=True)
     layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
     started = time.perf_counter()
@@ -279,6 +281,8 @@ def extract_shard_via_server(
         url, info["spool_dir"] if spool_dir is None else spool_dir, hidden_path.name.split(".")[0],
         layer_ids, hidden_size, request_timeout_s, retries, backoff_s, max_consecutive_failures,
     )
+    # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
+    requests.remove_leftovers()
     progress = tqdm(total=sum(counts), unit="tok", unit_scale=True, desc=hidden_path.name, file=log_stream, mininterval=5)
     pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="sglang-client")
     try:
@@ -306,6 +310,7 @@ def extract_shard_via_server(
     finally:
         progress.close()
     pool.shutdown(wait=True)
+    requests.remove_leftovers()  # late answers to this job's own timed-out, retried requests
     computed = time.perf_counter()
     meta = {"target": target_name, "target_hidden_size": hidden_size, "layer_ids": layer_ids, "dtype": dtype}
     shards.write_hidden_shard(hidden_path, prepared, aux_out, last_out, meta)

@@ -1,7 +1,11 @@
-"""The CI-sized chaos run: kills at random moments, a full disk, a corrupt shard, bad records.
+"""The CI-sized chaos run: kills at random moments, a full disk during extraction and during
+checkpointing, a corrupt shard, a corrupt checkpoint, a faulty SGLang server, bad records.
 
-The 20-kill version is `python -m eaglenest.chaos --kills 20 --seed 1` (docs/reliability.md).
+The full version is `python -m eaglenest.chaos --kills 20 --seed 1` (docs/reliability.md);
+it adds the other checkpoint damages and server faults.
 """
+
+import os
 
 import pytest
 
@@ -9,9 +13,13 @@ from eaglenest import chaos
 
 pytestmark = pytest.mark.slow
 
+# One of each kind of server trouble: it dies, it is slow, it answers wrongly, it is not ours.
+CI_SERVER_FAULTS = ["server_killed_mid_shard", "server_slow", "server_shape_mismatch", "server_vllm"]
 
-def test_pipeline_survives_kills_disk_full_corruption_and_bad_records(tmp_path):
-    summary = chaos.run_chaos(tmp_path / "chaos", kills=3, seed=3, corruptions=1, bad_record_examples=120)
+
+def test_pipeline_survives_kills_disk_full_corruption_server_faults_and_bad_records(tmp_path):
+    summary = chaos.run_chaos(tmp_path / "chaos", kills=3, seed=3, corruptions=1, bad_record_examples=120,
+                              checkpoint_corruptions=1, server_fault_names=CI_SERVER_FAULTS)
     table = chaos.format_table(summary)
     assert summary["faults_injected"]["kill"] == 3, table
     assert summary["samples_lost"] == 0, table
@@ -24,4 +32,25 @@ def test_pipeline_survives_kills_disk_full_corruption_and_bad_records(tmp_path):
     for disk in summary["disk_full"]:
         assert disk["clear_message"] and disk["partial_files_left"] == 0, disk
         assert disk["completed_after_space"] and disk["identical"], disk
+
+    if os.geteuid() == 0:
+        (disk,) = summary["checkpoint_disk_full"]
+        assert disk["failed"] and disk["clear_message"], disk
+        assert disk["partial_files_left"] == 0 and disk["unverifiable_checkpoints_left"] == [], disk
+        assert disk["completed_after_space"] and disk["resumed_from"] == disk["checkpoints_left"][-1], disk
+        assert disk["identical"], disk
+    (checkpoint,) = summary["checkpoint_corruptions"]
+    assert checkpoint["how"] == "flip", checkpoint  # the damage torch.load alone does not notice
+    assert checkpoint["refused_by_name"] and not checkpoint["consumed"], checkpoint
+    assert checkpoint["resumed_from_newest_intact"] and checkpoint["older_untouched"], checkpoint
+    assert checkpoint["rebuilt_intact"] and checkpoint["identical"], checkpoint
+
+    assert [fault["fault"] for fault in summary["server_faults"]] == CI_SERVER_FAULTS
+    for fault in summary["server_faults"]:
+        assert fault["failed"] and fault["clear_message"], fault
+        assert not fault["shard_left"] and fault["partial_files_left"] == 0, fault
+        assert fault["completed_after_fix"] and fault["samples_lost"] == 0, fault
+        assert fault["bitwise_equal_transformers"] and fault["spool_files_left"] == [], fault
+    for kind, row in summary["by_kind"].items():
+        assert row["clean_failure"] is not False and row["identical_final_result"], (kind, table)
     assert summary["ok"], table
