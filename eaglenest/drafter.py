@@ -42,6 +42,7 @@ layer i) are kept in the config; translating them for a serving backend is the e
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -56,6 +57,40 @@ from torch import nn
 from eaglenest import atomic
 
 WEIGHTS_NAME = "model.safetensors"
+# Key of a saved drafter's config.json: {tensor name: sha256 of its bytes in model.safetensors}.
+CHECKSUMS_KEY = "eaglenest_tensor_sha256"
+
+
+class DrafterFileError(ValueError):
+    """A saved drafter that fails its checksums (or cannot be read at all)."""
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def weights_problem(directory: str | os.PathLike) -> str | None:
+    """Why a saved drafter's weights cannot be trusted, or None. Drafters saved before
+    checksums were recorded are accepted (nothing to check them against)."""
+    directory = Path(directory)
+    try:
+        recorded = json.loads((directory / CONFIG_NAME).read_text()).get(CHECKSUMS_KEY)
+    except (OSError, ValueError) as error:
+        return f"{CONFIG_NAME} unreadable ({type(error).__name__}: {error})"
+    if recorded is None:
+        return None
+    try:
+        with safe_open(str(directory / WEIGHTS_NAME), framework="pt") as handle:
+            if sorted(recorded) != sorted(handle.keys()):
+                return "tensor names differ from the recorded ones"
+            for name in sorted(recorded):
+                if tensor_sha256(handle.get_tensor(name)) != recorded[name]:
+                    return f"checksum mismatch in {name} (file corrupted)"
+    except (OSError, ValueError, RuntimeError) as error:  # safetensors raises its own for bad headers
+        return f"unreadable ({type(error).__name__}: {error})"
+    except Exception as error:  # noqa: BLE001 - SafetensorError is not a ValueError subclass
+        return f"unreadable ({type(error).__name__}: {error})"
+    return None
 CONFIG_NAME = "config.json"
 
 
@@ -337,11 +372,15 @@ class Eagle3Drafter(nn.Module):
     # ---- files -------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike, extra_config: dict | None = None) -> None:
-        """model.safetensors (all tensors, SGLang names, fp32) + config.json, both atomic."""
+        """model.safetensors (all tensors, SGLang names, fp32) + config.json with each
+        tensor's sha256, both atomic. The checksums live in config.json because safetensors
+        writes several header entries in a random order: the same weights must give the
+        same bytes."""
         directory = Path(directory)
         tensors = {name: t.detach().cpu().contiguous() for name, t in self.state_dict().items()}
+        checksums = {name: tensor_sha256(t) for name, t in sorted(tensors.items())}
         atomic.write_with(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-        atomic.write_json(directory / CONFIG_NAME, {**self.config.to_dict(), **(extra_config or {})})
+        atomic.write_json(directory / CONFIG_NAME, {**self.config.to_dict(), **(extra_config or {}), CHECKSUMS_KEY: checksums})
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, map_location="cpu") -> "Eagle3Drafter":
@@ -351,6 +390,12 @@ class Eagle3Drafter(nn.Module):
             values = json.loads((path / CONFIG_NAME).read_text())
             known = {f.name for f in fields(DrafterConfig)}
             model = cls(DrafterConfig.from_dict({k: v for k, v in values.items() if k in known}))
+            problem = weights_problem(path)
+            if problem:
+                raise DrafterFileError(
+                    f"{path / WEIGHTS_NAME}: {problem}. Remove {path} and rerun: training resumes "
+                    "from its last checkpoint and writes it again."
+                )
             state = load_file(str(path / WEIGHTS_NAME), device=str(map_location))
             model.load_state_dict(state, strict=True)
             return model

@@ -520,6 +520,13 @@ def check_servers(config: dict, processes: dict[int, dict], listeners: list[dict
         result["status"] = NA
         result["summary"] = f"extract.backend={backend} needs no server" + (f"; found {listing}" if listing else "")
         return result
+    if config["extract"].get("sglang", {}).get("start_server", True) and server_url is None:
+        # Rule sglang_server starts one per block of shards on a free port; none runs between runs.
+        result["status"] = NA
+        result["summary"] = "the workflow starts a server per block of shards (extract.sglang.start_server)" + (
+            f"; found {listing}" if listing else ""
+        )
+        return result
     if not url:
         result["status"] = BLOCK
         result["summary"] = "extract.backend=sglang but the config names no server URL"
@@ -617,7 +624,7 @@ def incomplete_markers(workdir: Path) -> list[dict]:
     return sorted(markers, key=lambda m: m["path"])
 
 
-def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str) -> dict:
+def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str, deep: bool = False) -> dict:
     rule_file, directory = LATER_STAGES[key]
     path = run_dir / directory
     # A stage exists once the Snakefile includes its rule file.
@@ -635,6 +642,12 @@ def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str) -> dict:
         entry["checkpoints"] = len(steps)
         entry["latest_step"] = max(steps) if steps else None
         entry["leftovers"] = [str(e) for e in entries if atomic.TMP_MARKER in e.name]
+    if key == "drafter" and deep and (path / "model.safetensors").exists():
+        from eaglenest.drafter import weights_problem  # imports torch, as the deep check may
+
+        problem = weights_problem(path)
+        if problem:
+            entry.update(state="corrupt", problem=problem)
     return entry
 
 
@@ -758,7 +771,7 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
             index_state.update(state="corrupt")
     else:
         index_state["state"] = "missing"
-    later = {key: _later_stage(workdir, run_dir, repo, key) for key in LATER_STAGES}
+    later = {key: _later_stage(workdir, run_dir, repo, key, deep) for key in LATER_STAGES}
 
     steps = []
     corrupt_paths = [rows[i]["path"] for i in rebuild_after_rm]
@@ -771,7 +784,11 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
         steps.append({"command": "rm " + " ".join(stale_temps),
                       "why": f"remove {len(stale_temps)} partial file(s) left by killed writers (or: eaglenest recon --fix)",
                       "safe_fix": stale_temps})
-    if any(r["state"] == "corrupt" for r in rows):
+    if later["drafter"]["state"] == "corrupt":
+        steps.append({"command": f"rm -r {later['drafter']['path']}",
+                      "why": f"the trained drafter is corrupt ({later['drafter']['problem']}); "
+                             "the rerun resumes training from its last checkpoint and writes it again"})
+    if any(r["state"] == "corrupt" for r in rows) or later["drafter"]["state"] == "corrupt":
         status = BLOCK
     elif predicted or stale_temps:
         status = WARN

@@ -150,6 +150,9 @@ def test_packed_samples_never_attend_across_samples():
 def test_save_and_load_give_identical_logits(tmp_path):
     model = tiny_drafter(seed=3)
     model.save(tmp_path / "drafter")
+    model.save(tmp_path / "again")
+    for name in (drafter.WEIGHTS_NAME, "config.json"):  # same weights, same bytes
+        assert (tmp_path / "drafter" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
     loaded = drafter.Eagle3Drafter.from_checkpoint(tmp_path / "drafter")
     ids, aux = torch.randint(0, 50, (2, 5)), torch.randn(2, 5, 96)
     assert torch.equal(model(ids, aux)[0], loaded(ids, aux)[0])
@@ -184,3 +187,21 @@ def test_sdpa_and_explicit_attention_agree_for_step_zero():
     mask = drafter.causal_segment_mask(torch.tensor([[0, 0, 0, 1, 1]]))
     expected = ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).softmax(-1) @ v
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), expected)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_saved_drafter_is_refused_by_name(tmp_path, damage):
+    model = tiny_drafter()
+    model.save(tmp_path / "drafter")
+    weights = tmp_path / "drafter" / drafter.WEIGHTS_NAME
+    assert drafter.weights_problem(tmp_path / "drafter") is None
+    data = bytearray(weights.read_bytes())
+    if damage == "flip":
+        data[-100] ^= 0x01  # one bit in the last tensor's bytes
+    else:
+        data = data[: len(data) // 2]
+    weights.write_bytes(bytes(data))
+    problem = drafter.weights_problem(tmp_path / "drafter")
+    assert problem and ("checksum mismatch" in problem or "unreadable" in problem)
+    with pytest.raises(drafter.DrafterFileError, match="Remove .* and rerun"):
+        drafter.Eagle3Drafter.from_checkpoint(tmp_path / "drafter")

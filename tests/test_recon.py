@@ -259,6 +259,12 @@ def test_nothing_answering_on_the_configured_url_blocks(tmp_path):
     assert section["steps"][0]["command"] == "python -m eaglenest.sglang_launch"
 
 
+def test_no_server_is_expected_between_runs_when_the_workflow_starts_one_per_block(tmp_path):
+    section = recon.check_servers(sglang_config(tmp_path), {}, listeners=[])  # start_server: true by default
+    assert section["status"] == recon.NA and "starts a server per block" in section["summary"]
+    assert section["steps"] == []
+
+
 def test_patched_sglang_for_this_run_is_accepted_and_one_for_another_target_is_not(http_server, tmp_path):
     from eaglenest import plan, sglang_patch
 
@@ -377,6 +383,26 @@ def test_truncated_shard_is_corrupt_in_header_mode_and_bit_flip_only_in_deep_mod
     for path in rm.split()[1:]:
         (workdir / path).unlink()
     assert planned_shards(workdir, configfile) == [1, 2] == run_recon(workdir, configfile)["sections"]["workflow"]["to_build"]
+
+
+def test_bit_flip_in_the_trained_drafter_is_found_by_deep_recon_and_rebuilt_identically(run_copy):
+    workdir, configfile = run_copy
+    weights = workdir / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
+    original = weights.read_bytes()
+    damaged = bytearray(original)
+    damaged[-64] ^= 0x10
+    weights.write_bytes(bytes(damaged))
+    assert run_recon(workdir, configfile)["verdict"]["ready"], "header mode reads no weights"
+    deep = run_recon(workdir, configfile, deep=True)
+    drafter_state = deep["sections"]["workflow"]["later_stages"]["drafter"]
+    assert drafter_state["state"] == "corrupt" and "checksum mismatch" in drafter_state["problem"]
+    assert not deep["verdict"]["ready"]
+    assert deep["verdict"]["next_command"] == "rm -r results/tiny/train/drafter"
+    shutil.rmtree(workdir / "results" / "tiny" / "train" / "drafter")
+    run_snakemake(workdir, configfile, "--cores", "2")
+    # Training resumes from its last checkpoint: the same weights, byte for byte.
+    assert weights.read_bytes() == original
+    assert run_recon(workdir, configfile, deep=True)["verdict"]["ready"]
 
 
 def test_incomplete_marker_on_an_existing_shard_asks_for_rerun_incomplete(run_copy):

@@ -188,11 +188,11 @@ def regenerated_files(workdir: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(tmp_path, tiny_llama):
-    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 30)
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     for workdir in (reference_dir, killed_dir):
         workdir.mkdir()
-    reference_config = tiny_workflow_config(reference_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY)
+    reference_config = tiny_workflow_config(reference_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY, data={"max_conversations": 30})
     run_snakemake(reference_dir, reference_config, "--cores", "1", "prepare", "regenerate_report")
     reference = regenerated_files(reference_dir)
     assert len(reference) == 2 * plan.num_shards(yaml.safe_load(reference_config.read_text()))
@@ -201,7 +201,7 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
     assert summary["regenerated"] > 0.8 * summary["turns"]
 
     # Kill the whole workflow as soon as the first shard is finished, then resume.
-    configfile = tiny_workflow_config(killed_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY)
+    configfile = tiny_workflow_config(killed_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY, data={"max_conversations": 30})
     process = subprocess.Popen(snakemake_command(killed_dir, configfile, "--cores", "1", "prepare", "regenerate_report"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -232,14 +232,14 @@ def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
     (REPO / "resources").mkdir(exist_ok=True)
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     config["run"] = "regenerate-smollm2"
-    config["data"].update(max_conversations=4, samples_per_shard=2, max_len=384)
-    config["regenerate"] = {"enabled": True, "max_new_tokens": 24, "threads": 2, "device": "cpu"}
+    config["data"].update(max_conversations=3, samples_per_shard=3, max_len=256)
+    config["regenerate"] = {"enabled": True, "max_new_tokens": 16, "threads": 2, "device": "cpu"}
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     run_snakemake(tmp_path, configfile, "--cores", "2", "prepare", "regenerate_report")
     summary = json.loads(next(tmp_path.glob("results/*/regenerated/*/regenerate_report.json")).read_text())
     assert_accounted(summary)
-    assert summary["failed"] == 0 and summary["regenerated"] >= 3
+    assert summary["failed"] == 0 and summary["regenerated"] >= 2
     answers = [
         c["messages"][k]["content"]
         for path in tmp_path.glob("results/*/regenerated/*/shard-*.jsonl")
