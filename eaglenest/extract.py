@@ -92,13 +92,18 @@ class AuxCapture:
             handle.remove()
 
 
-def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
-    """Sample indices grouped by length (longest first), padded size <= tokens_per_batch."""
+def length_batches(lengths: list[int], tokens_per_batch: int, max_rows: int | None = None, extra_per_row: int = 0) -> list[list[int]]:
+    """Sample indices grouped by length (longest first), padded size <= tokens_per_batch.
+
+    ``extra_per_row``: tokens each row grows by (generation's new tokens); ``max_rows`` caps
+    the rows of a batch.
+    """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches, current = [], []
     for index in order:
         longest = lengths[current[0]] if current else lengths[index]
-        if current and longest * (len(current) + 1) > tokens_per_batch:
+        rows = len(current) + 1
+        if current and ((longest + extra_per_row) * rows > tokens_per_batch or (max_rows is not None and rows > max_rows)):
             batches.append(current)
             current = []
         current.append(index)

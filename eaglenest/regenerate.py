@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest import atomic
+from eaglenest.extract import length_batches
 from eaglenest.ingest import read_conversations
 from eaglenest.plan import REGENERATION_CONTENT
 from eaglenest.prepare import TemplateError, load_tokenizer, render, shard_of
@@ -129,19 +130,8 @@ class TransformersBackend:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
-        """Indices grouped shortest first, each group within the row and token bounds."""
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        groups, current = [], []
-        for i in order:
-            longest = max([lengths[j] for j in current] + [lengths[i]])
-            rows = len(current) + 1
-            if current and (rows > self.settings.batch_rows or rows * (longest + self.settings.max_new_tokens) > self.settings.tokens_per_batch):
-                groups.append(current)
-                current = []
-            current.append(i)
-        if current:
-            groups.append(current)
-        return groups
+        """Indices grouped by length, each group within the row and token bounds."""
+        return length_batches(lengths, self.settings.tokens_per_batch, self.settings.batch_rows, self.settings.max_new_tokens)
 
     def _generate_rows(self, rows: list[list[int]], seed: int) -> list[Generation]:
         torch = self.torch
