@@ -22,7 +22,7 @@ def main(directory: str) -> None:
         for position, color in ((0, "tab:blue"), (3, "tab:orange"), (6, "tab:green")):
             ax.plot(steps, [point["acc"][position] for point in curve["val"]], style, color=color,
                     label=f"{dtype} states, TTT position {position}")
-    ax.set_xlabel("training step (4,096 tokens)")
+    ax.set_xlabel("training step (up to 4 rows of 4,096 tokens)")
     ax.set_ylabel("validation accuracy (draft = target argmax)")
     ax.set_title("SmolLM2 drafter, 1K ShareGPT conversations, H200, 2026-11-29")
     ax.legend(fontsize=7)
