@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -126,10 +127,33 @@ def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
-    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int):
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 32768):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
+        # Above this many counted positions a step's loss runs in chunks whose logits are
+        # recomputed in the backward pass: a step of 16 x 16,384 tokens otherwise keeps
+        # [positions, draft vocab] float32 logits per TTT step (22.5 GB each at 32K).
+        self.loss_chunk_rows = loss_chunk_rows
+
+    def _soft_ce(self, normed_rows, target, target_ids):
+        logits = self.drafter.compute_logits(normed_rows).float()
+        ce = -(target * F.log_softmax(logits, dim=-1)).sum()
+        return ce, (logits.argmax(-1) == target_ids).sum()
+
+    def step_loss(self, normed_rows, target, target_ids):
+        """(sum of soft CE, top-1 hits) over the rows, chunked past ``loss_chunk_rows``."""
+        if normed_rows.shape[0] <= self.loss_chunk_rows:
+            ce, hits = self._soft_ce(normed_rows, target, target_ids)
+            return ce, int(hits)
+        ce, hits = 0.0, 0
+        for start in range(0, normed_rows.shape[0], self.loss_chunk_rows):
+            part = slice(start, start + self.loss_chunk_rows)
+            chunk_ce, chunk_hits = torch.utils.checkpoint.checkpoint(
+                self._soft_ce, normed_rows[part], target[part], target_ids[part], use_reentrant=False
+            )
+            ce, hits = ce + chunk_ce, hits + int(chunk_hits)
+        return ce, hits
 
     def forward(self, batch, probs, positions):
         """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows."""
@@ -149,10 +173,7 @@ class TTTObjective(nn.Module):
             if rows.numel() == 0:
                 results.append((normed.sum() * 0.0, 0, 0))
                 continue
-            logits = self.drafter.compute_logits(normed.flatten(0, 1)[rows]).float()
-            target = probs[rows + 1 + j]
-            ce = -(target * F.log_softmax(logits, dim=-1)).sum()
-            hits = int((logits.argmax(-1) == target_ids[rows + 1 + j]).sum())
+            ce, hits = self.step_loss(normed.flatten(0, 1)[rows], probs[rows + 1 + j], target_ids[rows + 1 + j])
             results.append((ce, rows.numel(), hits))
         return results
 

@@ -209,7 +209,8 @@ def test_run_killed_with_sigkill_resumes_to_bitwise_identical_weights(tiny_run, 
     while not list(checkpoints.glob("step-*.pt")) and time.time() < deadline:
         time.sleep(0.05)
     assert worker.poll() is None, "the run finished before it could be killed"
-    time.sleep(0.3)  # land somewhere between checkpoints
+    # Killed right after its first checkpoint, so between checkpoints and before the end even
+    # on an idle machine (a fixed sleep here let a fast run finish first).
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     assert not (Path(killed["out_dir"]) / "model.safetensors").exists()
@@ -276,3 +277,26 @@ def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(tiny
     assert list((summary_path.parent / "checkpoints").glob("step-*.pt"))
     log = (tmp_path / "logs" / "tiny" / "train.log").read_text()
     assert "torch.distributed.run" in log and "val step" in log
+
+
+def test_chunked_step_loss_equals_the_whole_loss_and_its_gradients():
+    """Past loss_chunk_rows a step's loss runs in recomputed chunks (memory of a chunk, not of
+    [positions, draft vocab] logits): same loss, hits and gradients."""
+    from test_drafter import tiny_drafter
+
+    torch.manual_seed(0)
+    rows, vocab = 37, tiny_drafter().config.draft_vocab_size
+    normed = torch.randn(rows, tiny_drafter().config.hidden_size)
+    target = torch.softmax(torch.randn(rows, vocab), dim=-1)
+    target_ids = target.argmax(-1)
+    results = []
+    for chunk in (1000, 8):
+        model = tiny_drafter(seed=1)
+        objective = train.TTTObjective(model, ttt_length=1, loss_chunk_rows=chunk)
+        ce, hits = objective.step_loss(normed, target, target_ids)
+        ce.backward()
+        results.append((ce.detach(), hits, model.lm_head.weight.grad.clone()))
+    (whole, whole_hits, whole_grad), (chunked, chunked_hits, chunked_grad) = results
+    assert whole_hits == chunked_hits
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked_grad, whole_grad, rtol=1e-5, atol=1e-6)
