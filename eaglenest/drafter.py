@@ -42,7 +42,6 @@ layer i) are kept in the config; translating them for a serving backend is the e
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -55,18 +54,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eaglenest import atomic
+from eaglenest.shards import tensor_sha256
 
 WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
 # Key of a saved drafter's config.json: {tensor name: sha256 of its bytes in model.safetensors}.
 CHECKSUMS_KEY = "eaglenest_tensor_sha256"
 
 
 class DrafterFileError(ValueError):
     """A saved drafter that fails its checksums (or cannot be read at all)."""
-
-
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def weights_problem(directory: str | os.PathLike) -> str | None:
@@ -86,12 +83,9 @@ def weights_problem(directory: str | os.PathLike) -> str | None:
             for name in sorted(recorded):
                 if tensor_sha256(handle.get_tensor(name)) != recorded[name]:
                     return f"checksum mismatch in {name} (file corrupted)"
-    except (OSError, ValueError, RuntimeError) as error:  # safetensors raises its own for bad headers
-        return f"unreadable ({type(error).__name__}: {error})"
-    except Exception as error:  # noqa: BLE001 - SafetensorError is not a ValueError subclass
+    except Exception as error:  # noqa: BLE001 - OSError, or safetensors' own error for a bad header
         return f"unreadable ({type(error).__name__}: {error})"
     return None
-CONFIG_NAME = "config.json"
 
 
 @dataclass

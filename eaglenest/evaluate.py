@@ -72,12 +72,6 @@ def load_prompts(eval_set: str, path: str | os.PathLike, count: int) -> list[dic
     return prompts[:count]
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of the rendered chat with the assistant turn opened (as in serving)."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(rendered, add_special_tokens=False).input_ids
-
-
 # ---- one job ----------------------------------------------------------------------------------
 
 
@@ -102,6 +96,7 @@ def evaluate_drafting(
     from eaglenest import drafter as drafter_lib
     from eaglenest import speculate
     from eaglenest.extract import pick_device
+    from eaglenest.prepare import prompt_ids
 
     torch.set_num_threads(threads)
     device = pick_device(device)
@@ -119,13 +114,13 @@ def evaluate_drafting(
              eval_set, config.name, len(prompts), max_new_tokens, temperature, device, threads)
 
     # Warm up both paths so that one-time costs (allocations, kernel selection) time neither.
-    warm = chat_prompt_ids(tokenizer, prompts[0]["messages"])
+    warm = prompt_ids(tokenizer, prompts[0]["messages"])
     speculate.target_decode(target, warm, 4, sorted(decoder.eos_token_ids))
     decoder.generate(warm, config, 4, temperature, generator)
 
     per_prompt, accepted, depths = [], [], []
     for prompt in prompts:
-        ids = chat_prompt_ids(tokenizer, prompt["messages"])
+        ids = prompt_ids(tokenizer, prompt["messages"])
         plain = speculate.target_decode(target, ids, max_new_tokens, sorted(decoder.eos_token_ids))
         result = decoder.generate(ids, config, max_new_tokens, temperature, generator)
         lossless = result.tokens == plain.tokens if temperature == 0 else None

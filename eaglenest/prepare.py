@@ -46,6 +46,11 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of the rendered chat with the assistant turn opened, as a server sees it."""
+    return tokenizer(render(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendered text and the character span of every assistant turn in it."""
     full = render(tokenizer, messages, add_generation_prompt=False)

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 
 import yaml
 
-from eaglenest import atomic, plan
+from eaglenest import atomic, plan, shard_header  # shard_header: header checks without torch
 
 OK, WARN, BLOCK, NA = "ok", "warn", "block", "not applicable"
 REPO = Path(__file__).resolve().parents[1]
@@ -653,8 +653,6 @@ def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str, deep: bool 
 
 def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path = REPO) -> dict:
     """Shards done / missing / partial / corrupt / incomplete and what ``snakemake -n`` will plan."""
-    from eaglenest import shard_header  # header checks without torch (fast mode)
-
     if deep:
         from eaglenest import shards  # imports torch: checksums and values need it
 
@@ -1000,21 +998,12 @@ def check_code(config: dict, workdir: Path, repo: Path = REPO) -> dict:
 def _safetensors_intact(path: Path) -> str | None:
     """None when the file's header is readable and its size matches; else what is wrong."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                return "shorter than a header"
-            (length,) = struct.unpack("<Q", prefix)
-            if length > size - 8:
-                return "header runs past the end (truncated)"
-            header = json.loads(handle.read(length))
-    except (OSError, ValueError) as err:
+        header_len, infos, _, size = shard_header.read_safetensors_header(path)
+        shard_header.check_data_size(path, header_len, infos, size)
+    except shard_header.ShardError as err:
+        return err.reason
+    except OSError as err:
         return f"unreadable ({err})"
-    header.pop("__metadata__", None)
-    end = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + length + end != size:
-        return f"size {size:,} != {8 + length + end:,} from its header (truncated?)"
     return None
 
 

@@ -41,7 +41,7 @@ from eaglenest import atomic
 from eaglenest.extract import length_batches
 from eaglenest.ingest import read_conversations
 from eaglenest.plan import REGENERATION_CONTENT
-from eaglenest.prepare import TemplateError, load_tokenizer, render, shard_of
+from eaglenest.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,7 @@ class TransformersBackend:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = render(self.tokenizer, messages, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return prompt_ids(self.tokenizer, messages)
 
     def batches(self, lengths: list[int]) -> list[list[int]]:
         """Indices grouped by length, each group within the row and token bounds."""
@@ -198,8 +197,7 @@ class OpenAIBackend:
         self.tokenizer = load_tokenizer(model_path)
 
     def prompt_length(self, messages: list[dict]) -> int:
-        text = render(self.tokenizer, messages, add_generation_prompt=True)
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(prompt_ids(self.tokenizer, messages))
 
     def _request(self, messages: list[dict], seed: int) -> Generation:
         s = self.settings
@@ -319,11 +317,9 @@ def regenerate_shard(
     settings: Settings,
     max_len: int,
     threads: int = 1,
-    backend=None,
 ) -> dict:
     conversations = sorted(shard_conversations(conversations_path, shard_id, num_shards), key=lambda c: c["sample_id"])
-    if backend is None:
-        backend = make_backend(model_path, settings, model_name, threads)
+    backend = make_backend(model_path, settings, model_name, threads)
     seed = random.Random(f"{settings.seed}:{shard_id}").randrange(2**31)
     kept, counts = regenerate_conversations(conversations, backend, settings, max_len, seed)
     report = {

@@ -33,8 +33,9 @@ class ShardError(Exception):
         self.reason = reason
 
 
-def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
-    """Parse the safetensors header only: (tensor infos, decoded metadata). Reads no tensor data."""
+def read_safetensors_header(path: str | os.PathLike) -> tuple[int, dict, dict, int]:
+    """Any safetensors file's header, read without its tensor data: (header length, tensor
+    infos, raw ``__metadata__``, file size). Raises ShardError when it cannot be parsed."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -51,15 +52,27 @@ def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ShardError(path, "header is not valid JSON") from None
     raw_meta = header.pop("__metadata__", None) or {}
+    return header_len, header, raw_meta, size
+
+
+def check_data_size(path: str | os.PathLike, header_len: int, infos: dict, size: int) -> None:
+    """The file holds exactly the bytes its header describes (else truncated or padded)."""
+    data_len = max((info["data_offsets"][1] for info in infos.values()), default=0)
+    if 8 + header_len + data_len != size:
+        raise ShardError(Path(path), f"size {size} != header + data {8 + header_len + data_len} (truncated or padded)")
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict, dict]:
+    """Parse the safetensors header only: (tensor infos, decoded metadata). Reads no tensor data."""
+    path = Path(path)
+    header_len, header, raw_meta, size = read_safetensors_header(path)
     try:
         meta = json.loads(raw_meta[METADATA_KEY])
     except (KeyError, TypeError, json.JSONDecodeError):
         raise ShardError(path, "not an eaglenest shard (no eaglenest metadata)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ShardError(path, "not an eaglenest shard (format key missing)")
-    data_len = max((info["data_offsets"][1] for info in header.values()), default=0)
-    if 8 + header_len + data_len != size:
-        raise ShardError(path, f"size {size} != header + data {8 + header_len + data_len} (truncated or padded)")
+    check_data_size(path, header_len, header, size)
     for info in header.values():
         info["file_offset"] = 8 + header_len + info["data_offsets"][0]
     return header, meta

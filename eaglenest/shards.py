@@ -127,7 +127,7 @@ def dequantize(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.b
     return out
 
 
-def _tensor_sha256(tensor: torch.Tensor) -> str:
+def tensor_sha256(tensor: torch.Tensor) -> str:
     raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(raw)).hexdigest()
 
@@ -142,7 +142,7 @@ def _write(path: str | os.PathLike, tensors: dict[str, torch.Tensor], meta: Mapp
     header.update(
         format=FORMAT,
         format_version=FORMAT_VERSION,
-        checksums={name: _tensor_sha256(tensor) for name, tensor in tensors.items()},
+        checksums={name: tensor_sha256(tensor) for name, tensor in tensors.items()},
     )
     atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=_encode_metadata(header)))
 

@@ -38,6 +38,7 @@ no cycle and is counted in neither.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -123,11 +124,15 @@ def returned_cache(output):
     return output.cache if hasattr(output, "cache") else output.past_key_values
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def cache_argument(model, cache) -> dict:
-    """The keyword that hands ``model`` its KV cache, by the name its forward takes."""
-    if "cache" in inspect.signature(model.forward).parameters:
-        return {"cache": cache}
-    return {"past_key_values": cache}
+    """The keyword that hands ``model`` its KV cache, by the name its forward takes (looked up
+    once per model class: this runs for every decoded token)."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def keep_cache_entries(cache, past_length: int, keep: list[int]) -> None:
