@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The real-scale run of docs/results.md on one H200 node (16 CPU cores, 1 GPU):
-# the full set, and the three 1K-conversation arms (original / regenerated / bf16 states)
-# beside it on the same GPU. Writes logs/h200/*.log, times.tsv and logs/h200/DONE.
+# The real-scale run of docs/results.md on one H200 node (16 CPU cores, 1 GPU): the full set,
+# and the 1K-conversation arms (original and regenerated answers; ARMS adds "bf16") beside it
+# on the same GPU. Writes logs/h200/*.log, logs/h200/times.tsv and logs/h200/DONE.
 #   bash benchmarks/h200_smollm2.sh [extra config files...]
-# The arms run in their own working directory on a RAM disk (ARMS_DIR): a second
-# Snakemake in this directory would be refused its lock, and the full set's 52 GB of fp8
+# Each arm runs in its own working directory on a RAM disk (ARMS_DIR/<arm>): a second
+# Snakemake in one directory would be refused its lock, and the full set's 52 GB of fp8
 # states keep the local disk to themselves.
+# Prepared samples made on another machine (results/<run>/prepared/, for example on a CPU
+# box while the GPU node is busy) are kept: the driver marks them up to date after the
+# target's conversion, which is newer than them (PREPARED_CARRIED=1).
 set -u
 cd "$(dirname "$0")/.."
 REPO=$PWD
 SNAKEMAKE=${SNAKEMAKE:-snakemake}
 ARMS_DIR=${ARMS_DIR:-/dev/shm/eaglenest-arms}
+ARMS=${ARMS:-original regenerated}
+FULL_CORES=${FULL_CORES:-10}
 EXTRA=("$@")
-mkdir -p logs/h200 "$ARMS_DIR/results"
+mkdir -p logs/h200
 rm -f logs/h200/DONE
 
 stamp() { date -u +%FT%TZ; }
-timed() {  # name, command...: wall seconds and exit status into logs/h200/times.tsv
+timed() { # name, command...: wall seconds and exit status into logs/h200/times.tsv
   local name=$1 start=$SECONDS rc
   shift
   echo "$(stamp) start $name" >>"$REPO/logs/h200/progress.log"
@@ -27,24 +32,40 @@ timed() {  # name, command...: wall seconds and exit status into logs/h200/times
   return $rc
 }
 
-# The converted target is shared by every run: make it once, before they start.
-timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile config/h200-smollm2.yaml "${EXTRA[@]}"
-
-# The arms' working directory: the workflow's files linked, results of its own.
-for entry in Snakefile rules scripts config envs report profiles eaglenest resources; do
-  ln -sfn "$REPO/$entry" "$ARMS_DIR/$entry"
-done
-for run in h200-1k-original h200-1k-regenerated h200-1k-bf16; do
-  [ -d "results/$run/data" ] && mkdir -p "$ARMS_DIR/results/$run" && cp -a "results/$run/data" "$ARMS_DIR/results/$run/"
-done
+FULL=(config/h200-smollm2.yaml)
 SUBSET=(config/h200-smollm2.yaml config/h200/subset-1k.yaml)
-arms() {
-  cd "$ARMS_DIR" || return 1
-  timed arm-regenerated $SNAKEMAKE --cores 6 --configfile "${SUBSET[@]}" config/h200/regenerated.yaml "${EXTRA[@]}"
-  timed arm-original $SNAKEMAKE --cores 6 --configfile "${SUBSET[@]}" "${EXTRA[@]}"
-  timed arm-bf16 $SNAKEMAKE --cores 6 --configfile "${SUBSET[@]}" config/h200/bf16.yaml "${EXTRA[@]}"
+arm_configs() { # arm -> its config files
+  case $1 in
+  original) echo "${SUBSET[@]}" ;;
+  regenerated) echo "${SUBSET[@]}" config/h200/regenerated.yaml ;;
+  bf16) echo "${SUBSET[@]}" config/h200/bf16.yaml ;;
+  *) return 1 ;;
+  esac
 }
-arms &
-timed full $SNAKEMAKE --cores 10 --configfile config/h200-smollm2.yaml "${EXTRA[@]}"
+arm_cores() { # regeneration runs one shard job per core
+  case $1 in regenerated) echo 8 ;; *) echo 4 ;; esac
+}
+
+# The converted target is shared by every run: make it once, before they start.
+timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${FULL[@]}" "${EXTRA[@]}" || exit 1
+if [ "${PREPARED_CARRIED:-0}" = 1 ]; then
+  timed touch-prepared $SNAKEMAKE --touch --until prepare --cores 1 --configfile "${FULL[@]}" "${EXTRA[@]}"
+fi
+
+run_arm() { # arm: link the workflow into the arm's directory, bring its data, run it there
+  local arm=$1 dir=$ARMS_DIR/$1 run=h200-1k-$1 configs
+  read -r -a configs <<<"$(arm_configs "$arm")"
+  mkdir -p "$dir/results"
+  for entry in Snakefile rules scripts config envs report profiles eaglenest resources; do
+    ln -sfn "$REPO/$entry" "$dir/$entry"
+  done
+  [ -d "results/$run/data" ] && mkdir -p "$dir/results/$run" && cp -a "results/$run/data" "$dir/results/$run/"
+  cd "$dir" || return 1
+  timed "arm-$arm" $SNAKEMAKE --cores "$(arm_cores "$arm")" --configfile "${configs[@]}" "${EXTRA[@]}"
+}
+for arm in $ARMS; do
+  run_arm "$arm" &
+done
+timed full $SNAKEMAKE --cores "$FULL_CORES" --configfile "${FULL[@]}" "${EXTRA[@]}"
 wait
 touch logs/h200/DONE
