@@ -62,11 +62,14 @@ def read_humaneval(path: str | os.PathLike) -> list[dict]:
     ]
 
 
-def load_prompts(eval_set: str, path: str | os.PathLike, count: int) -> list[dict]:
+def load_prompts(eval_set: str, path: str | os.PathLike, count: int | None) -> list[dict]:
+    """The first ``count`` prompts of the set, or all of them when ``count`` is None."""
     readers = {"mt_bench": read_mt_bench, "humaneval": read_humaneval}
     if eval_set not in readers:
         raise ValueError(f"unknown eval set {eval_set!r}; known: {sorted(readers)}")
     prompts = readers[eval_set](path)
+    if count is None:
+        return prompts
     if count > len(prompts):
         raise ValueError(f"{eval_set} has {len(prompts)} prompts, {count} asked for")
     return prompts[:count]
@@ -82,13 +85,14 @@ def evaluate_drafting(
     prompts_path: str | os.PathLike,
     drafting: dict,
     metrics_path: str | os.PathLike,
-    num_prompts: int,
+    num_prompts: int | None,
     max_new_tokens: int,
     temperature: float = 0.0,
     seed: int = 0,
     target_name: str = "",
     device: str = "auto",
     threads: int = 2,
+    dtype: str = "float32",
 ) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,9 +106,14 @@ def evaluate_drafting(
     device = pick_device(device)
     config = speculate.Drafting.from_dict(drafting)
     prompts = load_prompts(eval_set, prompts_path, num_prompts)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    # fp32 on CPU (bf16 matmuls are several times slower there); bf16 on a GPU.
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    # float32 by default: in bf16 the tree-verification forward and the target's own one-token
+    # decode round differently, near-ties flip, and greedy outputs part (the H200 run of
+    # 2026-11-29 saw it in half of the prompts), so the lossless check could not tell a bug
+    # from rounding. A 135M-parameter target costs nothing more in float32.
+    dtype = getattr(torch, dtype)
     target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype, attn_implementation="sdpa")
     target = target.to(device).eval()
     drafter = drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path).to(device, dtype).eval()

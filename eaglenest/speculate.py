@@ -173,6 +173,8 @@ class DrafterState:
         """Feed T entries; ``visible`` [T, length + T] bool. Returns (logits [T, D], hidden_out [T, H])."""
         drafter = self.drafter
         config = drafter.config
+        # Tree bookkeeping builds ids, positions and masks on the CPU; the drafter may be on a GPU.
+        input_ids, positions, visible = (t.to(hidden.device) for t in (input_ids, positions, visible))
         if hidden.shape[-1] == 3 * config.target_hidden_size:
             hidden = drafter.fc(hidden)
         layer = drafter.midlayer

@@ -61,6 +61,7 @@ DEFAULTS = {
     "device": "auto",
     "threads": 2,
     "prefetch": 2,
+    "loss_chunk_rows": 8192,
     "log_every": 1,
     "val_every": 0,
     "checkpoint_every": 10,
@@ -127,7 +128,7 @@ def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
-    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 32768):
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 8192):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
@@ -452,7 +453,7 @@ def _train(
         raise ValueError(f"target hidden size {model.config.target_hidden_size} != shards' {train_set.hidden_size}")
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
-    objective = TTTObjective(model, settings["ttt_length"])
+    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], betas=(0.9, 0.95),
                                   weight_decay=settings["weight_decay"])

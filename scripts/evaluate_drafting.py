@@ -16,4 +16,5 @@ evaluate.evaluate_drafting(
     target_name=snakemake.params.target_name,
     device=snakemake.config["evaluate"]["device"],
     threads=snakemake.threads,
+    dtype=snakemake.config["evaluate"]["dtype"],
 )

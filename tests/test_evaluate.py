@@ -42,6 +42,12 @@ def test_humaneval_prompts_hold_the_function_to_complete(tmp_path):
     assert "def f1(x):" in prompts[1]["messages"][0]["content"]
 
 
+def test_no_count_takes_every_prompt_of_each_set(tmp_path):
+    prompts = evaluate.load_prompts("mt_bench", write_mt_bench(tmp_path / "question.jsonl"), None)
+    assert len(prompts) == 6
+    assert len({p["id"] for p in prompts}) == 6
+
+
 def test_asking_for_more_prompts_than_a_set_has_is_refused(tmp_path):
     with pytest.raises(ValueError, match="has 6 prompts"):
         evaluate.load_prompts("mt_bench", write_mt_bench(tmp_path / "question.jsonl"), 7)
