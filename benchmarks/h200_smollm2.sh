@@ -14,8 +14,11 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 SNAKEMAKE=${SNAKEMAKE:-snakemake}
 ARMS_DIR=${ARMS_DIR:-/dev/shm/eaglenest-arms}
-ARMS=${ARMS:-original regenerated}
+ARMS=${ARMS-original regenerated} # ARMS= runs the full set alone
 FULL_CORES=${FULL_CORES:-10}
+# FULL_UNTIL=export_drafter stops the full set before evaluation (a session of its own)
+UNTIL=()
+[ -n "${FULL_UNTIL:-}" ] && UNTIL=(--until "$FULL_UNTIL")
 EXTRA=("$@")
 mkdir -p logs/h200
 rm -f logs/h200/DONE
@@ -66,6 +69,6 @@ run_arm() { # arm: link the workflow into the arm's directory, bring its data, r
 for arm in $ARMS; do
   run_arm "$arm" &
 done
-timed full $SNAKEMAKE --cores "$FULL_CORES" --configfile "${FULL[@]}" "${EXTRA[@]}"
+timed full $SNAKEMAKE --cores "$FULL_CORES" --configfile "${FULL[@]}" "${EXTRA[@]}" "${UNTIL[@]}"
 wait
 touch logs/h200/DONE

@@ -1,10 +1,12 @@
 """Evaluate: acceptance length tau, per-position acceptance and speedup of a drafter.
 
-One job = one eval set x one drafting configuration (eaglenest.speculate.Drafting). For each
-prompt it runs plain greedy decoding with the target alone and speculative decoding with the
-drafter, interleaved on the same machine so that the timing comparison is fair, checks that
-greedy speculative decoding reproduced the target's tokens exactly, and writes metrics.json.
-The summary step gathers every job's metrics into a table, PNG plots and a headline line.
+One evaluation = one eval set x one drafting configuration (eaglenest.speculate.Drafting),
+run as ``evaluate.prompt_chunks`` jobs over contiguous slices of the prompts. For each
+prompt a job runs plain greedy decoding with the target alone and speculative decoding with
+the drafter, interleaved on the same machine so that the timing comparison is fair, checks
+that greedy speculative decoding reproduced the target's tokens exactly, and writes its
+per-prompt traces; the merge step turns the chunks into metrics.json. The summary step
+gathers every metrics.json into a table, PNG plots and a headline line.
 
 Eval sets (held out from training by construction: the drafter trains on ShareGPT):
 - ``mt_bench``: fastchat's MT-bench question.jsonl (80 questions, 8 categories). The first
@@ -75,7 +77,18 @@ def load_prompts(eval_set: str, path: str | os.PathLike, count: int | None) -> l
     return prompts[:count]
 
 
-# ---- one job ----------------------------------------------------------------------------------
+# ---- one job: a slice of one set's prompts with one drafting configuration -------------------
+
+
+def prompt_slice(count: int, chunk: int, chunks: int) -> slice:
+    """Contiguous slice ``chunk`` of ``chunks`` near-equal slices of ``count`` prompts.
+
+    Chunks let the prompts of one set and drafting configuration run as parallel jobs (one
+    transformers target decodes one prompt at a time); the merge keeps prompt order.
+    """
+    if not 0 <= chunk < chunks:
+        raise ValueError(f"chunk {chunk} outside 0..{chunks - 1}")
+    return slice(chunk * count // chunks, (chunk + 1) * count // chunks)
 
 
 def evaluate_drafting(
@@ -84,7 +97,7 @@ def evaluate_drafting(
     eval_set: str,
     prompts_path: str | os.PathLike,
     drafting: dict,
-    metrics_path: str | os.PathLike,
+    part_path: str | os.PathLike,
     num_prompts: int | None,
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -93,7 +106,13 @@ def evaluate_drafting(
     device: str = "auto",
     threads: int = 2,
     dtype: str = "float32",
+    chunk: int = 0,
+    chunks: int = 1,
 ) -> dict:
+    """Decode chunk ``chunk`` of ``chunks`` of the set's prompts; write its per-prompt traces.
+
+    ``merge_parts`` turns the parts of every chunk into the job's metrics.json.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -105,29 +124,46 @@ def evaluate_drafting(
     torch.set_num_threads(threads)
     device = pick_device(device)
     config = speculate.Drafting.from_dict(drafting)
-    prompts = load_prompts(eval_set, prompts_path, num_prompts)
+    every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
+    prompts = every_prompt[prompt_slice(len(every_prompt), chunk, chunks)]
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")
+    part = {
+        "eval_set": eval_set,
+        "drafting": {"name": config.name, "steps": config.steps, "topk": config.topk, "tokens": config.tokens},
+        "chunk": [chunk, chunks],
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "device": device,
+        "dtype": dtype,
+        "threads": threads,
+        "target": target_name or str(target_path),
+        "drafter": str(drafter_path),
+        "per_prompt": [],
+    }
+    if not prompts:  # more chunks than prompts
+        atomic.write_json(part_path, part)
+        return part
     tokenizer = AutoTokenizer.from_pretrained(str(target_path))
     # float32 by default: in bf16 the tree-verification forward and the target's own one-token
     # decode round differently, near-ties flip, and greedy outputs part (the H200 run of
     # 2026-11-29 saw it in half of the prompts), so the lossless check could not tell a bug
     # from rounding. A 135M-parameter target costs nothing more in float32.
-    dtype = getattr(torch, dtype)
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype, attn_implementation="sdpa")
+    torch_dtype = getattr(torch, dtype)
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, attn_implementation="sdpa")
     target = target.to(device).eval()
-    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path).to(device, dtype).eval()
+    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path).to(device, torch_dtype).eval()
     decoder = speculate.SpeculativeDecoder(target, drafter)
     generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU (speculate)
-    log.info("%s x %s: %d prompts, %d new tokens, temperature %s, on %s with %d threads",
-             eval_set, config.name, len(prompts), max_new_tokens, temperature, device, threads)
+    log.info("%s x %s: prompts %d-%d of %d (chunk %d of %d), %d new tokens, temperature %s, %s on %s with %d threads",
+             eval_set, config.name, 1 + chunk * len(every_prompt) // chunks, (chunk + 1) * len(every_prompt) // chunks,
+             len(every_prompt), chunk + 1, chunks, max_new_tokens, temperature, dtype, device, threads)
 
     # Warm up both paths so that one-time costs (allocations, kernel selection) time neither.
     warm = prompt_ids(tokenizer, prompts[0]["messages"])
     speculate.target_decode(target, warm, 4, sorted(decoder.eos_token_ids))
     decoder.generate(warm, config, 4, temperature, generator)
 
-    per_prompt, accepted, depths = [], [], []
     for prompt in prompts:
         ids = prompt_ids(tokenizer, prompt["messages"])
         plain = speculate.target_decode(target, ids, max_new_tokens, sorted(decoder.eos_token_ids))
@@ -135,42 +171,75 @@ def evaluate_drafting(
         lossless = result.tokens == plain.tokens if temperature == 0 else None
         if lossless is False:
             log.error("%s: speculative tokens differ from the target's greedy tokens", prompt["id"])
-        accepted += result.accepted
-        depths += result.draft_depths
-        per_prompt.append({
+        part["per_prompt"].append({
             "id": prompt["id"], "category": prompt["category"], "prompt_tokens": len(ids),
             "new_tokens": len(result.tokens), "cycles": result.cycles, "accepted": result.accepted,
+            "draft_depths": result.draft_depths,
             "seconds": result.seconds, "target_tokens": len(plain.tokens), "target_seconds": plain.seconds,
             "lossless": lossless,
         })
         log.info("%s: %d tokens in %d cycles, %.2fs (target alone %.2fs)%s", prompt["id"], len(result.tokens),
                  result.cycles, result.seconds, plain.seconds, "" if lossless is not False else " MISMATCH")
+    atomic.write_json(part_path, part)
+    return part
+
+
+def metrics_from_parts(parts: list[dict]) -> dict:
+    """One job's metrics from the parts of all its chunks, in chunk order.
+
+    Every figure is recomputed from the per-prompt traces, so N chunks give the same tau and
+    acceptance as one job would; tokens/s add up each chunk's own seconds.
+    """
+    from eaglenest import speculate
+
+    if not parts:
+        raise ValueError("no evaluation parts to merge")
+    parts = sorted(parts, key=lambda part: part["chunk"][0])
+    first = parts[0]
+    chunks = first["chunk"][1]
+    if [part["chunk"] for part in parts] != [[i, chunks] for i in range(chunks)]:
+        raise ValueError(f"parts hold chunks {[part['chunk'] for part in parts]}, expected 0..{chunks - 1} of {chunks}")
+    for key in ("eval_set", "drafting", "max_new_tokens", "temperature", "dtype", "target", "drafter"):
+        values = {json.dumps(part[key], sort_keys=True) for part in parts}
+        if len(values) > 1:
+            raise ValueError(f"parts disagree on {key}: {sorted(values)}")
+    per_prompt = [prompt for part in parts for prompt in part["per_prompt"]]
+    if not per_prompt:
+        raise ValueError(f"{first['eval_set']} x {first['drafting']['name']}: no prompts were evaluated")
+    accepted = [a for p in per_prompt for a in p["accepted"]]
+    depths = [d for p in per_prompt for d in p["draft_depths"]]
     stats = speculate.acceptance_stats(accepted, depths)
-    spec_seconds = sum(p["seconds"] for p in per_prompt)
-    target_seconds = sum(p["target_seconds"] for p in per_prompt)
-    spec_tokens = sum(p["new_tokens"] for p in per_prompt)
-    target_tokens = sum(p["target_tokens"] for p in per_prompt)
-    metrics = {
-        "eval_set": eval_set,
-        "drafting": {"name": config.name, "steps": config.steps, "topk": config.topk, "tokens": config.tokens},
+    spec_tokens_per_second = sum(p["new_tokens"] for p in per_prompt) / sum(p["seconds"] for p in per_prompt)
+    target_tokens_per_second = sum(p["target_tokens"] for p in per_prompt) / sum(p["target_seconds"] for p in per_prompt)
+    greedy = first["temperature"] == 0
+    return {
+        "eval_set": first["eval_set"],
+        "drafting": first["drafting"],
         **stats,
         "prompts": len(per_prompt),
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "lossless": all(p["lossless"] for p in per_prompt) if temperature == 0 else None,
+        "chunks": chunks,
+        "max_new_tokens": first["max_new_tokens"],
+        "temperature": first["temperature"],
+        "lossless": all(p["lossless"] for p in per_prompt) if greedy else None,
         "mismatched_prompts": [p["id"] for p in per_prompt if p["lossless"] is False],
-        "speculative_tokens_per_second": spec_tokens / spec_seconds,
-        "target_tokens_per_second": target_tokens / target_seconds,
-        "speedup": (spec_tokens / spec_seconds) / (target_tokens / target_seconds),
-        "device": device,
-        "threads": threads,
-        "target": target_name or str(target_path),
-        "drafter": str(drafter_path),
+        "speculative_tokens_per_second": spec_tokens_per_second,
+        "target_tokens_per_second": target_tokens_per_second,
+        "speedup": spec_tokens_per_second / target_tokens_per_second,
+        "device": first["device"],
+        "dtype": first["dtype"],
+        "threads": first["threads"],
+        "target": first["target"],
+        "drafter": first["drafter"],
         "per_prompt": per_prompt,
     }
+
+
+def merge_parts(part_paths: list[str | os.PathLike], metrics_path: str | os.PathLike) -> dict:
+    metrics = metrics_from_parts([json.loads(Path(p).read_text()) for p in part_paths])
     atomic.write_json(metrics_path, metrics)
-    log.info("tau %.3f, acceptance by position %s, speedup %.2fx, lossless %s", stats["tau"],
-             [None if a is None else round(a, 3) for a in stats["acceptance_by_position"]], metrics["speedup"],
+    log.info("%s x %s: tau %.3f over %d prompts, acceptance by position %s, speedup %.2fx, lossless %s",
+             metrics["eval_set"], metrics["drafting"]["name"], metrics["tau"], metrics["prompts"],
+             [None if a is None else round(a, 3) for a in metrics["acceptance_by_position"]], metrics["speedup"],
              metrics["lossless"])
     return metrics
 

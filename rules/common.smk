@@ -214,6 +214,18 @@ def evaluation_drafter():
     return config["evaluate"].get("drafter") or run_path("train", "drafter")
 
 
+def evaluation_part_path(eval_set, drafting, chunk):
+    return evaluation_path(eval_set, drafting, "chunks", f"{chunk}.json")
+
+
+def evaluation_parts(wildcards):
+    """The chunk files of one eval set x drafting configuration (evaluate.prompt_chunks)."""
+    return [
+        evaluation_part_path(wildcards.eval_set, wildcards.drafting, chunk)
+        for chunk in range(config["evaluate"]["prompt_chunks"])
+    ]
+
+
 def evaluation_metrics():
     return expand(
         evaluation_path("{eval_set}", "{drafting}", "metrics.json"),

@@ -36,14 +36,15 @@ rule evaluate_drafting:
         prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
         target=target_model_input(),
     output:
-        metrics=evaluation_path("{eval_set}", "{drafting}", "metrics.json"),
+        part=evaluation_part_path("{eval_set}", "{drafting}", "{chunk}"),
     log:
-        log_path("evaluate", "{eval_set}", "{drafting}.log"),
+        log_path("evaluate", "{eval_set}", "{drafting}", "chunk-{chunk}.log"),
     benchmark:
-        benchmark_path("evaluate", "{eval_set}", "{drafting}.tsv")
+        benchmark_path("evaluate", "{eval_set}", "{drafting}", "chunk-{chunk}.tsv")
     wildcard_constraints:
         eval_set="mt_bench|humaneval",
         drafting=r"steps\d+-topk\d+-tokens\d+",
+        chunk=r"\d+",
     conda:
         "../envs/eaglenest.yaml"
     threads: config["evaluate"]["threads"]
@@ -54,8 +55,26 @@ rule evaluate_drafting:
         max_new_tokens=config["evaluate"]["max_new_tokens"],
         temperature=config["evaluate"]["temperature"],
         seed=config["evaluate"]["seed"],
+        dtype=config["evaluate"]["dtype"],
+        chunks=config["evaluate"]["prompt_chunks"],
     script:
         "../scripts/evaluate_drafting.py"
+
+
+rule evaluate_merge:
+    input:
+        parts=evaluation_parts,
+    output:
+        metrics=evaluation_path("{eval_set}", "{drafting}", "metrics.json"),
+    log:
+        log_path("evaluate", "{eval_set}", "{drafting}", "merge.log"),
+    wildcard_constraints:
+        eval_set="mt_bench|humaneval",
+        drafting=r"steps\d+-topk\d+-tokens\d+",
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/evaluate_merge.py"
 
 
 rule evaluate_summary:

@@ -1,4 +1,5 @@
-"""Speculative decoding of one eval set with one drafting configuration (rule evaluate_drafting)."""
+"""Speculative decoding of one chunk of an eval set's prompts with one drafting configuration
+(rule evaluate_drafting)."""
 from eaglenest import evaluate, joblog
 
 joblog.to_file(snakemake.log[0])
@@ -8,7 +9,7 @@ evaluate.evaluate_drafting(
     snakemake.wildcards.eval_set,
     snakemake.input.prompts,
     dict(snakemake.params.drafting),
-    snakemake.output.metrics,
+    snakemake.output.part,
     num_prompts=snakemake.params.num_prompts,
     max_new_tokens=snakemake.params.max_new_tokens,
     temperature=snakemake.params.temperature,
@@ -16,5 +17,7 @@ evaluate.evaluate_drafting(
     target_name=snakemake.params.target_name,
     device=snakemake.config["evaluate"]["device"],
     threads=snakemake.threads,
-    dtype=snakemake.config["evaluate"]["dtype"],
+    dtype=snakemake.params.dtype,
+    chunk=int(snakemake.wildcards.chunk),
+    chunks=snakemake.params.chunks,
 )

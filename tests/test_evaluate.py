@@ -48,6 +48,47 @@ def test_no_count_takes_every_prompt_of_each_set(tmp_path):
     assert len({p["id"] for p in prompts}) == 6
 
 
+def test_prompt_chunks_cover_every_prompt_once_in_order():
+    for count in (0, 1, 5, 80, 164):
+        for chunks in (1, 2, 3, 7):
+            covered = [i for c in range(chunks) for i in range(count)[evaluate.prompt_slice(count, c, chunks)]]
+            assert covered == list(range(count))
+    with pytest.raises(ValueError, match="outside"):
+        evaluate.prompt_slice(10, 3, 3)
+
+
+def part(chunk, chunks, prompts, **overrides):
+    base = {"eval_set": "mt_bench", "drafting": {"name": "steps3-topk1-tokens4", "steps": 3, "topk": 1, "tokens": 4},
+            "chunk": [chunk, chunks], "max_new_tokens": 8, "temperature": 0, "device": "cpu", "dtype": "float32",
+            "threads": 1, "target": "t", "drafter": "d", "per_prompt": prompts}
+    return {**base, **overrides}
+
+
+def trace(name, accepted, lossless=True, seconds=1.0):
+    return {"id": name, "category": "writing", "prompt_tokens": 5, "new_tokens": sum(accepted) + len(accepted) + 1,
+            "cycles": len(accepted), "accepted": accepted, "draft_depths": [3] * len(accepted), "seconds": seconds,
+            "target_tokens": sum(accepted) + len(accepted) + 1, "target_seconds": 2.0, "lossless": lossless}
+
+
+def test_merged_chunks_give_the_metrics_of_one_job():
+    prompts = [trace("a", [0, 3, 1]), trace("b", [2, 2], lossless=False), trace("c", [1])]
+    one = evaluate.metrics_from_parts([part(0, 1, prompts)])
+    split = evaluate.metrics_from_parts([part(1, 2, prompts[2:]), part(0, 2, prompts[:2])])
+    for key in ("tau", "cycles", "tokens", "acceptance_by_position", "accept_length_histogram", "lossless",
+                "mismatched_prompts", "speedup", "prompts"):
+        assert split[key] == one[key], key
+    assert one["tau"] == (9 + 6) / 6 and one["lossless"] is False and one["mismatched_prompts"] == ["b"]
+    assert [p["id"] for p in split["per_prompt"]] == ["a", "b", "c"]
+
+
+def test_merge_refuses_missing_or_mismatched_chunks():
+    prompts = [trace("a", [1])]
+    with pytest.raises(ValueError, match="expected 0..2 of 3"):
+        evaluate.metrics_from_parts([part(0, 3, prompts), part(2, 3, prompts)])
+    with pytest.raises(ValueError, match="disagree on dtype"):
+        evaluate.metrics_from_parts([part(0, 2, prompts), part(1, 2, prompts, dtype="bfloat16")])
+
+
 def test_asking_for_more_prompts_than_a_set_has_is_refused(tmp_path):
     with pytest.raises(ValueError, match="has 6 prompts"):
         evaluate.load_prompts("mt_bench", write_mt_bench(tmp_path / "question.jsonl"), 7)
@@ -104,7 +145,7 @@ def evaluated_workdir(tmp_path_factory, tiny_llama):
     conversations = synthetic_conversations(workdir / "conversations.jsonl", 10)
     config = tiny_workflow_config(workdir, tiny_llama, conversations, evaluate={
         "drafter": str(workdir / "drafter"), "sets": ["mt_bench", "humaneval"], "num_prompts": 2,
-        "max_new_tokens": 8, "temperature": 0, "threads": 1,
+        "max_new_tokens": 8, "temperature": 0, "threads": 1, "prompt_chunks": 2,
         "drafting": [{"steps": 2, "topk": 1, "tokens": 3}, {"steps": 2, "topk": 2, "tokens": 4}],
     })
     run_snakemake(workdir, config, "--cores", "2", "results/tiny/evaluate/summary.json")
@@ -117,7 +158,9 @@ def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_wor
     for eval_set in ("mt_bench", "humaneval"):
         for drafting in ("steps2-topk1-tokens3", "steps2-topk2-tokens4"):
             job = json.loads((results / eval_set / drafting / "metrics.json").read_text())
-            assert job["lossless"] is True and job["prompts"] == 2
+            assert job["lossless"] is True and job["prompts"] == 2 and job["chunks"] == 2
+            parts = [json.loads((results / eval_set / drafting / "chunks" / f"{i}.json").read_text()) for i in (0, 1)]
+            assert [p["id"] for part in parts for p in part["per_prompt"]] == [p["id"] for p in job["per_prompt"]]
             assert job["tau"] == job["tokens"] / job["cycles"] >= 1.0
     summary = json.loads((results / "summary.json").read_text())
     assert len(summary["rows"]) == 4 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
