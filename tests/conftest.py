@@ -28,6 +28,17 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-qwen2") / "model", arch="qwen2")
 
 
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
+    """The tiny workflow run to the end (4 hidden shards, trained, exported, evaluated): one
+    run for test_workflow and test_recon, whose tests only read it or work on copies."""
+    workdir = tmp_path_factory.mktemp("finished")
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations)
+    run_snakemake(workdir, configfile, "--cores", "2")
+    return workdir, configfile
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:
     """Poll ``predicate`` until it is true (True) or ``timeout`` seconds pass (False)."""
     deadline = time.monotonic() + timeout

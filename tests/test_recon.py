@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from conftest import planned_jobs, run_snakemake, snakemake_command
 from eaglenest import atomic, cli, recon
 
 NO_GPU = lambda args: (_ for _ in ()).throw(OSError("no nvidia-smi"))  # noqa: E731  (a machine without GPUs)
@@ -42,13 +42,9 @@ def run_recon(workdir: Path, configfile: Path, **kwargs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
-    """A tiny workflow run to the end: 4 hidden shards, consolidated."""
-    workdir = tmp_path_factory.mktemp("finished")
-    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
-    configfile = tiny_workflow_config(workdir, tiny_llama, conversations)
-    run_snakemake(workdir, configfile, "--cores", "2")
-    return workdir, configfile
+def finished_run(finished_tiny_run) -> tuple[Path, Path]:
+    """A tiny workflow run to the end: 4 hidden shards, consolidated (conftest's, shared)."""
+    return finished_tiny_run
 
 
 @pytest.fixture

@@ -193,7 +193,9 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
     for workdir in (reference_dir, killed_dir):
         workdir.mkdir()
     reference_config = tiny_workflow_config(reference_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY, data={"max_conversations": 30})
-    run_snakemake(reference_dir, reference_config, "--cores", "1", "prepare", "regenerate_report")
+    # Two shard jobs at a time: each job is one process of one thread, so its answers do not
+    # depend on what runs beside it; only the killed run below needs one job at a time.
+    run_snakemake(reference_dir, reference_config, "--cores", "2", "prepare", "regenerate_report")
     reference = regenerated_files(reference_dir)
     assert len(reference) == 2 * plan.num_shards(yaml.safe_load(reference_config.read_text()))
     summary = json.loads(next((reference_dir / "results").glob("*/regenerated/*/regenerate_report.json")).read_text())

@@ -38,10 +38,8 @@ def new_workdir(tmp_path_factory, tiny_llama, name: str, **sections) -> tuple[Pa
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_llama):
-    workdir, config = new_workdir(tmp_path_factory, tiny_llama, "reference")
-    run_snakemake(workdir, config)
-    return workdir, config
+def finished_run(finished_tiny_run):
+    return finished_tiny_run
 
 
 def test_finished_run_has_every_shard_and_plans_nothing(finished_run):

@@ -13,8 +13,12 @@ from . import local_slurm
 PROFILE = REPO / "profiles" / "slurm"
 # The test cluster has no accounting database: the plugin's default status command (sacct)
 # would fail on every poll and the run would wait forever. The first status check comes
-# after 2 s instead of the plugin's 40 s, which only makes the tiny jobs finish sooner.
-CLUSTER_ARGS = ("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2")
+# after 5 s instead of the plugin's 40 s, which only makes the tiny jobs finish sooner: the
+# plugin adds 10 s to the wait after every check that finds no job finished and goes back to
+# this value when one has, so checks come 5, 20, 45 s after a submission. The jobs here take
+# 10-20 s (two nested Snakemake starts each), 25-45 s when several share the 2 cores; with
+# 2 s the checks at 2, 14, 36, 68 s come just before most of them end.
+CLUSTER_ARGS = ("--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "5")
 
 
 def slurm_env() -> dict[str, str]:

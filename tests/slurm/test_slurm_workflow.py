@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import time
 from datetime import datetime
@@ -113,8 +114,14 @@ def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_c
     assert not (workdir / "results").exists()
 
 
-def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard(slurm_cluster, tmp_path_factory, tiny_llama):
-    workdir, config = new_slurm_workdir(tmp_path_factory, tiny_llama, "slurm-scancel")
+def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard(slurm_run, tmp_path_factory):
+    # A copy of the finished run (mtimes kept) without anything from extraction on: the same
+    # jobs from there as in a fresh run, without waiting for ingest and prepare through Slurm again.
+    workdir = tmp_path_factory.mktemp("slurm-scancel") / "w"
+    shutil.copytree(slurm_run[0], workdir, symlinks=True, ignore=shutil.ignore_patterns("slurm_logs"))
+    for stage in ("hidden", "consolidated", "train", "export"):
+        shutil.rmtree(workdir / "results" / "tiny" / stage)
+    config = workdir / "config.yaml"
     shards_dir = hidden_dir(workdir)
     # One job at a time, so the first shards are done while a later one is still running.
     process = subprocess.Popen(
