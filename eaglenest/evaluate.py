@@ -125,7 +125,8 @@ def evaluate_drafting(
     device = pick_device(device)
     config = speculate.Drafting.from_dict(drafting)
     every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
-    prompts = every_prompt[prompt_slice(len(every_prompt), chunk, chunks)]
+    span = prompt_slice(len(every_prompt), chunk, chunks)
+    prompts = every_prompt[span]
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")
     part = {
@@ -156,8 +157,7 @@ def evaluate_drafting(
     decoder = speculate.SpeculativeDecoder(target, drafter)
     generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU (speculate)
     log.info("%s x %s: prompts %d-%d of %d (chunk %d of %d), %d new tokens, temperature %s, %s on %s with %d threads",
-             eval_set, config.name, 1 + chunk * len(every_prompt) // chunks, (chunk + 1) * len(every_prompt) // chunks,
-             len(every_prompt), chunk + 1, chunks, max_new_tokens, temperature, dtype, device, threads)
+             eval_set, config.name, span.start + 1, span.stop, len(every_prompt), chunk + 1, chunks, max_new_tokens, temperature, dtype, device, threads)
 
     # Warm up both paths so that one-time costs (allocations, kernel selection) time neither.
     warm = prompt_ids(tokenizer, prompts[0]["messages"])

@@ -128,7 +128,7 @@ def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
-    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 8192):
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = DEFAULTS["loss_chunk_rows"]):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
