@@ -45,7 +45,8 @@ arm_configs() { # arm -> its config files
   *) return 1 ;;
   esac
 }
-arm_cores() { # regeneration runs one shard job per core
+arm_cores() { # regeneration runs one shard job per core; ARM_CORES overrides (regenerated answers carried in)
+  [ -n "${ARM_CORES:-}" ] && echo "$ARM_CORES" && return
   case $1 in regenerated) echo 8 ;; *) echo 4 ;; esac
 }
 
@@ -62,7 +63,9 @@ run_arm() { # arm: link the workflow into the arm's directory, bring its data, r
   for entry in Snakefile rules scripts config envs report profiles eaglenest resources; do
     ln -sfn "$REPO/$entry" "$dir/$entry"
   done
-  [ -d "results/$run/data" ] && mkdir -p "$dir/results/$run" && cp -a "results/$run/data" "$dir/results/$run/"
+  for carried in data regenerated; do # ingested conversations, answers regenerated elsewhere
+    [ -d "results/$run/$carried" ] && mkdir -p "$dir/results/$run" && cp -a "results/$run/$carried" "$dir/results/$run/"
+  done
   cd "$dir" || return 1
   timed "arm-$arm" $SNAKEMAKE --cores "$(arm_cores "$arm")" --configfile "${configs[@]}" "${EXTRA[@]}"
 }

@@ -8,6 +8,13 @@ that greedy speculative decoding reproduced the target's tokens exactly, and wri
 per-prompt traces; the merge step turns the chunks into metrics.json. The summary step
 gathers every metrics.json into a table, PNG plots and a headline line.
 
+``evaluate.method: replay`` (greedy only) measures the same tau without running speculative
+decoding: a reference job per chunk decodes the target's greedy output once (shared by every
+drafting configuration), and each drafting job replays the decoder's cycles on it with one
+teacher-forced target forward per prompt (eaglenest.speculate.replay_greedy). It gives the
+decoder's exact cycles (tests compare them) at a fraction of the cost, and no speedup: nothing
+is decoded speculatively.
+
 Eval sets (held out from training by construction: the drafter trains on ShareGPT):
 - ``mt_bench``: fastchat's MT-bench question.jsonl (80 questions, 8 categories). The first
   turn of each question; questions are taken round-robin over categories so that a few
@@ -91,6 +98,102 @@ def prompt_slice(count: int, chunk: int, chunks: int) -> slice:
     return slice(chunk * count // chunks, (chunk + 1) * count // chunks)
 
 
+METHODS = ("decode", "replay")
+
+
+def _load_models(target_path, drafter_path, device: str, threads: int, dtype: str):
+    """(tokenizer, target, drafter or None, device) in the evaluation dtype.
+
+    ``drafter_path``: a saved drafter directory, a training checkpoint, or an SGLang/vLLM
+    export (whose embedding is the target's).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eaglenest import drafter as drafter_lib
+    from eaglenest import export
+    from eaglenest.extract import pick_device
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")
+    torch.set_num_threads(threads)
+    device = pick_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    # float32 by default: in bf16 the tree-verification forward and the target's own one-token
+    # decode round differently, near-ties flip, and greedy outputs part (the H200 run of
+    # 2026-11-29 saw it in half of the prompts), so the lossless check could not tell a bug
+    # from rounding. A 135M-parameter target costs nothing more in float32.
+    torch_dtype = getattr(torch, dtype)
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, attn_implementation="sdpa")
+    target = target.to(device).eval()
+    drafter = None
+    if drafter_path is not None:
+        config_path = Path(drafter_path) / "config.json"
+        is_export = config_path.exists() and "eaglenest" in json.loads(config_path.read_text())
+        drafter = (export.drafter_from_export(drafter_path, target_path) if is_export
+                   else drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path))
+        drafter = drafter.to(device, torch_dtype).eval()
+    return tokenizer, target, drafter, device
+
+
+def decode_reference(
+    target_path: str | os.PathLike,
+    eval_set: str,
+    prompts_path: str | os.PathLike,
+    part_path: str | os.PathLike,
+    num_prompts: int | None,
+    max_new_tokens: int,
+    lookahead: int,
+    target_name: str = "",
+    device: str = "auto",
+    threads: int = 2,
+    dtype: str = "float32",
+    chunk: int = 0,
+    chunks: int = 1,
+) -> dict:
+    """The target's greedy output for chunk ``chunk`` of the set's prompts, ``lookahead``
+    tokens past each stop (what ``evaluate.method: replay`` replays every drafter on)."""
+    from eaglenest import speculate
+    from eaglenest.prepare import prompt_ids
+
+    every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
+    span = prompt_slice(len(every_prompt), chunk, chunks)
+    tokenizer, target, _, device = _load_models(target_path, None, device, threads, dtype)
+    eos = speculate.target_eos_ids(target)
+    part = {
+        "eval_set": eval_set, "chunk": [chunk, chunks], "max_new_tokens": max_new_tokens, "lookahead": lookahead,
+        "device": device, "dtype": dtype, "threads": threads, "target": target_name or str(target_path),
+        "eos_token_ids": eos, "per_prompt": [],
+    }
+    log.info("%s reference: prompts %d-%d of %d (chunk %d of %d), %d new tokens + %d lookahead, %s on %s",
+             eval_set, span.start + 1, span.stop, len(every_prompt), chunk + 1, chunks, max_new_tokens, lookahead,
+             dtype, device)
+    for prompt in every_prompt[span]:
+        ids = prompt_ids(tokenizer, prompt["messages"])
+        plain = speculate.target_decode(target, ids, max_new_tokens, eos, lookahead=lookahead)
+        part["per_prompt"].append({
+            "id": prompt["id"], "category": prompt["category"], "prompt_tokens": len(ids), "tokens": plain.tokens,
+            "output_length": speculate.output_length(plain.tokens, max_new_tokens, eos), "seconds": plain.seconds,
+        })
+        log.info("%s: %d tokens in %.2fs", prompt["id"], part["per_prompt"][-1]["output_length"], plain.seconds)
+    atomic.write_json(part_path, part)
+    return part
+
+
+def read_reference(path: str | os.PathLike, eval_set: str, chunk: int, chunks: int, max_new_tokens: int,
+                   lookahead: int, dtype: str) -> dict:
+    """A reference part, checked against the job that replays it."""
+    reference = json.loads(Path(path).read_text())
+    expected = {"eval_set": eval_set, "chunk": [chunk, chunks], "max_new_tokens": max_new_tokens, "dtype": dtype}
+    found = {key: reference.get(key) for key in expected}
+    if found != expected:
+        raise ValueError(f"{path} was decoded for {found}, this job replays {expected}: remove it and rerun")
+    if reference["lookahead"] < lookahead:
+        raise ValueError(f"{path} looks {reference['lookahead']} tokens ahead, a {lookahead}-step draft needs "
+                         f"{lookahead}: remove it and rerun")
+    return reference
+
+
 def evaluate_drafting(
     target_path: str | os.PathLike,
     drafter_path: str | os.PathLike,
@@ -108,31 +211,34 @@ def evaluate_drafting(
     dtype: str = "float32",
     chunk: int = 0,
     chunks: int = 1,
+    method: str = "decode",
+    reference_path: str | os.PathLike | None = None,
 ) -> dict:
-    """Decode chunk ``chunk`` of ``chunks`` of the set's prompts; write its per-prompt traces.
-
-    ``merge_parts`` turns the parts of every chunk into the job's metrics.json.
-    """
+    """Decode (or replay) chunk ``chunk`` of ``chunks`` of the set's prompts; write its
+    per-prompt traces. ``merge_parts`` turns the parts of every chunk into metrics.json."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglenest import drafter as drafter_lib
     from eaglenest import speculate
-    from eaglenest.extract import pick_device
     from eaglenest.prepare import prompt_ids
 
-    torch.set_num_threads(threads)
-    device = pick_device(device)
+    if method not in METHODS:
+        raise ValueError(f"evaluate method {method!r}: one of {METHODS}")
+    if method == "replay" and (temperature != 0 or reference_path is None):
+        raise ValueError("evaluate method 'replay' replays greedy decoding: it needs temperature 0 and a reference")
     config = speculate.Drafting.from_dict(drafting)
     every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
     span = prompt_slice(len(every_prompt), chunk, chunks)
     prompts = every_prompt[span]
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")
+    reference = None
+    if method == "replay":
+        reference = read_reference(reference_path, eval_set, chunk, chunks, max_new_tokens, config.steps, dtype)
+        if [p["id"] for p in reference["per_prompt"]] != [p["id"] for p in prompts]:
+            raise ValueError(f"{reference_path} holds other prompts than chunk {chunk} of {chunks}: remove it and rerun")
     part = {
         "eval_set": eval_set,
         "drafting": {"name": config.name, "steps": config.steps, "topk": config.topk, "tokens": config.tokens},
         "chunk": [chunk, chunks],
+        "method": method,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "device": device,
@@ -145,30 +251,34 @@ def evaluate_drafting(
     if not prompts:  # more chunks than prompts
         atomic.write_json(part_path, part)
         return part
-    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
-    # float32 by default: in bf16 the tree-verification forward and the target's own one-token
-    # decode round differently, near-ties flip, and greedy outputs part (the H200 run of
-    # 2026-11-29 saw it in half of the prompts), so the lossless check could not tell a bug
-    # from rounding. A 135M-parameter target costs nothing more in float32.
-    torch_dtype = getattr(torch, dtype)
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=torch_dtype, attn_implementation="sdpa")
-    target = target.to(device).eval()
-    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path).to(device, torch_dtype).eval()
+    tokenizer, target, drafter, device = _load_models(target_path, drafter_path, device, threads, dtype)
+    part["device"] = device
     decoder = speculate.SpeculativeDecoder(target, drafter)
+    eos = sorted(decoder.eos_token_ids)
     generator = torch.Generator().manual_seed(seed)  # sampling runs on the CPU (speculate)
-    log.info("%s x %s: prompts %d-%d of %d (chunk %d of %d), %d new tokens, temperature %s, %s on %s with %d threads",
-             eval_set, config.name, span.start + 1, span.stop, len(every_prompt), chunk + 1, chunks, max_new_tokens, temperature, dtype, device, threads)
+    log.info("%s x %s (%s): prompts %d-%d of %d (chunk %d of %d), %d new tokens, temperature %s, %s on %s with %d threads",
+             eval_set, config.name, method, span.start + 1, span.stop, len(every_prompt), chunk + 1, chunks,
+             max_new_tokens, temperature, dtype, device, threads)
 
-    # Warm up both paths so that one-time costs (allocations, kernel selection) time neither.
-    warm = prompt_ids(tokenizer, prompts[0]["messages"])
-    speculate.target_decode(target, warm, 4, sorted(decoder.eos_token_ids))
-    decoder.generate(warm, config, 4, temperature, generator)
+    if method == "decode":
+        # Warm up both paths so that one-time costs (allocations, kernel selection) time neither.
+        warm = prompt_ids(tokenizer, prompts[0]["messages"])
+        speculate.target_decode(target, warm, 4, eos)
+        decoder.generate(warm, config, 4, temperature, generator)
 
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         ids = prompt_ids(tokenizer, prompt["messages"])
-        plain = speculate.target_decode(target, ids, max_new_tokens, sorted(decoder.eos_token_ids))
-        result = decoder.generate(ids, config, max_new_tokens, temperature, generator)
-        lossless = result.tokens == plain.tokens if temperature == 0 else None
+        if method == "replay":
+            plain = reference["per_prompt"][index]
+            result = speculate.replay_greedy(target, drafter, ids, plain["tokens"], config, max_new_tokens, eos)
+            plain = speculate.Generation(tokens=plain["tokens"][: plain["output_length"]], seconds=plain["seconds"])
+            # The replay outputs the reference by construction; what can part is one
+            # teacher-forced forward's argmax from the reference (a rounding near-tie).
+            lossless, checked = None, {"reference_consistent": result.reference_consistent}
+        else:
+            plain = speculate.target_decode(target, ids, max_new_tokens, eos)
+            result = decoder.generate(ids, config, max_new_tokens, temperature, generator)
+            lossless, checked = (result.tokens == plain.tokens if temperature == 0 else None), {}
         if lossless is False:
             log.error("%s: speculative tokens differ from the target's greedy tokens", prompt["id"])
         part["per_prompt"].append({
@@ -176,7 +286,7 @@ def evaluate_drafting(
             "new_tokens": len(result.tokens), "cycles": result.cycles, "accepted": result.accepted,
             "draft_depths": result.draft_depths,
             "seconds": result.seconds, "target_tokens": len(plain.tokens), "target_seconds": plain.seconds,
-            "lossless": lossless,
+            "lossless": lossless, **checked,
         })
         log.info("%s: %d tokens in %d cycles, %.2fs (target alone %.2fs)%s", prompt["id"], len(result.tokens),
                  result.cycles, result.seconds, plain.seconds, "" if lossless is not False else " MISMATCH")
@@ -199,8 +309,8 @@ def metrics_from_parts(parts: list[dict]) -> dict:
     chunks = first["chunk"][1]
     if [part["chunk"] for part in parts] != [[i, chunks] for i in range(chunks)]:
         raise ValueError(f"parts hold chunks {[part['chunk'] for part in parts]}, expected 0..{chunks - 1} of {chunks}")
-    for key in ("eval_set", "drafting", "max_new_tokens", "temperature", "dtype", "target", "drafter"):
-        values = {json.dumps(part[key], sort_keys=True) for part in parts}
+    for key in ("eval_set", "drafting", "method", "max_new_tokens", "temperature", "dtype", "target", "drafter"):
+        values = {json.dumps(part.get(key), sort_keys=True) for part in parts}
         if len(values) > 1:
             raise ValueError(f"parts disagree on {key}: {sorted(values)}")
     per_prompt = [prompt for part in parts for prompt in part["per_prompt"]]
@@ -209,22 +319,28 @@ def metrics_from_parts(parts: list[dict]) -> dict:
     accepted = [a for p in per_prompt for a in p["accepted"]]
     depths = [d for p in per_prompt for d in p["draft_depths"]]
     stats = speculate.acceptance_stats(accepted, depths)
-    spec_tokens_per_second = sum(p["new_tokens"] for p in per_prompt) / sum(p["seconds"] for p in per_prompt)
+    method = first.get("method", "decode")
     target_tokens_per_second = sum(p["target_tokens"] for p in per_prompt) / sum(p["target_seconds"] for p in per_prompt)
+    # A replay decodes nothing speculatively: it has a tau but no speed.
+    spec_tokens_per_second = (sum(p["new_tokens"] for p in per_prompt) / sum(p["seconds"] for p in per_prompt)
+                              if method == "decode" else None)
     greedy = first["temperature"] == 0
+    replay = method == "replay"
     return {
         "eval_set": first["eval_set"],
         "drafting": first["drafting"],
         **stats,
         "prompts": len(per_prompt),
         "chunks": chunks,
+        "method": method,
         "max_new_tokens": first["max_new_tokens"],
         "temperature": first["temperature"],
-        "lossless": all(p["lossless"] for p in per_prompt) if greedy else None,
+        "lossless": all(p["lossless"] for p in per_prompt) if greedy and not replay else None,
         "mismatched_prompts": [p["id"] for p in per_prompt if p["lossless"] is False],
+        "reference_inconsistent_prompts": [p["id"] for p in per_prompt if p.get("reference_consistent") is False],
         "speculative_tokens_per_second": spec_tokens_per_second,
         "target_tokens_per_second": target_tokens_per_second,
-        "speedup": spec_tokens_per_second / target_tokens_per_second,
+        "speedup": None if spec_tokens_per_second is None else spec_tokens_per_second / target_tokens_per_second,
         "device": first["device"],
         "dtype": first["dtype"],
         "threads": first["threads"],
@@ -237,21 +353,30 @@ def metrics_from_parts(parts: list[dict]) -> dict:
 def merge_parts(part_paths: list[str | os.PathLike], metrics_path: str | os.PathLike) -> dict:
     metrics = metrics_from_parts([json.loads(Path(p).read_text()) for p in part_paths])
     atomic.write_json(metrics_path, metrics)
-    log.info("%s x %s: tau %.3f over %d prompts, acceptance by position %s, speedup %.2fx, lossless %s",
-             metrics["eval_set"], metrics["drafting"]["name"], metrics["tau"], metrics["prompts"],
-             [None if a is None else round(a, 3) for a in metrics["acceptance_by_position"]], metrics["speedup"],
-             metrics["lossless"])
+    log.info("%s x %s (%s): tau %.3f over %d prompts, acceptance by position %s, speedup %s, lossless %s",
+             metrics["eval_set"], metrics["drafting"]["name"], metrics["method"], metrics["tau"], metrics["prompts"],
+             [None if a is None else round(a, 3) for a in metrics["acceptance_by_position"]],
+             _times(metrics["speedup"]), metrics["lossless"])
     return metrics
 
 
 # ---- summary, plots, headline -----------------------------------------------------------------
 
 
+def _times(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def summary_rows(metrics: list[dict]) -> list[dict]:
     rows = []
     for m in metrics:
         rows.append({
-            "eval_set": m["eval_set"], "drafting": m["drafting"]["name"], "prompts": m["prompts"],
+            "eval_set": m["eval_set"], "drafting": m["drafting"]["name"], "method": m.get("method", "decode"),
+            "prompts": m["prompts"],
             "tau": m["tau"], "cycles": m["cycles"],
             "acceptance_by_position": m["acceptance_by_position"],
             "speedup": m["speedup"], "speculative_tokens_per_second": m["speculative_tokens_per_second"],
@@ -261,14 +386,15 @@ def summary_rows(metrics: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ["eval_set", "drafting", "prompts", "tau", "acceptance_by_position", "speedup",
+    header = ["eval_set", "drafting", "method", "prompts", "tau", "acceptance_by_position", "speedup",
               "spec_tok_per_s", "target_tok_per_s", "lossless"]
     lines = ["\t".join(header)]
     for r in rows:
         acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
         lines.append("\t".join([
-            r["eval_set"], r["drafting"], str(r["prompts"]), f"{r['tau']:.3f}", acceptance, f"{r['speedup']:.2f}",
-            f"{r['speculative_tokens_per_second']:.1f}", f"{r['target_tokens_per_second']:.1f}", str(r["lossless"]),
+            r["eval_set"], r["drafting"], r["method"], str(r["prompts"]), f"{r['tau']:.3f}", acceptance,
+            _number(r["speedup"], 2), _number(r["speculative_tokens_per_second"]),
+            _number(r["target_tokens_per_second"]), str(r["lossless"]),
         ]))
     return "\n".join(lines) + "\n"
 
@@ -277,7 +403,9 @@ def headline(summary: dict) -> str:
     """One line: tau per eval set for the first drafting configuration (the headline one)."""
     first = summary["rows"][0]["drafting"]
     parts = [f"{r['eval_set']} {r['tau']:.2f}" for r in summary["rows"] if r["drafting"] == first]
-    speedups = [f"{r['speedup']:.2f}x" for r in summary["rows"] if r["drafting"] == first]
+    speedups = [_times(r["speedup"]) for r in summary["rows"] if r["drafting"] == first]
+    if all(r["speedup"] is None for r in summary["rows"]):
+        return f"tau ({first}, replayed on the target's greedy output): {', '.join(parts)}"
     return f"tau ({first}): {', '.join(parts)}; speedup vs the target alone: {', '.join(speedups)}"
 
 

@@ -466,10 +466,26 @@ def target_eos_ids(target) -> list[int]:
     return sorted(set(ids))
 
 
+def output_length(tokens: list[int], max_new_tokens: int, eos_token_ids) -> int:
+    """How many of ``tokens`` a generation keeps: up to the first end of turn, at most max_new_tokens."""
+    eos = set(eos_token_ids)
+    for index, token in enumerate(tokens[:max_new_tokens]):
+        if token in eos:
+            return index + 1
+    return min(len(tokens), max_new_tokens)
+
+
 @torch.inference_mode()
-def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int] | None = None) -> Generation:
+def target_decode(
+    target, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int] | None = None, lookahead: int = 0
+) -> Generation:
     """Plain greedy decoding with the target alone (one forward per token): the reference
-    output and the baseline time for the speedup."""
+    output and the baseline time for the speedup.
+
+    ``lookahead`` > 0 keeps decoding that many tokens past where the output stops (end of
+    turn or max_new_tokens): a verification cycle can accept drafted tokens past the stop,
+    and ``replay_greedy`` needs the target's tokens there. ``seconds`` times the output alone.
+    """
     eos = set(eos_token_ids if eos_token_ids is not None else target_eos_ids(target))
     device = next(target.parameters()).device
     began = time.perf_counter()
@@ -479,7 +495,89 @@ def target_decode(target, prompt_ids: list[int], max_new_tokens: int, eos_token_
         out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
                      **cache_argument(target, returned_cache(out)))
         tokens.append(int(out.logits[0, -1].argmax()))
-    return Generation(tokens=tokens, seconds=time.perf_counter() - began)
+    seconds = time.perf_counter() - began
+    for _ in range(lookahead):
+        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
+                     **cache_argument(target, returned_cache(out)))
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return Generation(tokens=tokens, seconds=seconds)
+
+
+@dataclass
+class Replay(Generation):
+    """A replayed generation; ``reference_consistent`` is False when one teacher-forced
+    forward over the reference does not give the reference back as its argmax (a near-tie
+    that rounded the other way), so the replay's features are not exactly the decoder's."""
+
+    reference_consistent: bool = True
+
+
+@torch.inference_mode()
+def replay_greedy(
+    target,
+    drafter: Eagle3Drafter,
+    prompt_ids: list[int],
+    reference: list[int],
+    drafting: Drafting,
+    max_new_tokens: int,
+    eos_token_ids: list[int] | None = None,
+) -> Replay:
+    """The cycles greedy speculative decoding goes through, replayed on the target's known output.
+
+    With temperature 0 speculative decoding outputs the target's greedy tokens, and what the
+    drafter sees at every cycle is fixed by them: the target's aux features at the verified
+    positions (the same with a tree mask over the path as causally over the whole output)
+    and the verified tokens. So ONE teacher-forced target forward over prompt + ``reference``
+    (``target_decode`` with ``lookahead`` >= drafting.steps) yields every feature, and a
+    cycle accepts the longest draft path that spells the reference's next tokens. Same
+    drafter code and cycle bookkeeping as ``SpeculativeDecoder.generate``; the ~100 target
+    forwards of a 128-token answer become one, which makes tau over whole eval sets cheap.
+    Numerically the features come from one causal forward rather than the tree-verification
+    forwards, so a draft near-tie may round the other way; tests hold the traces equal.
+    """
+    eos = set(eos_token_ids if eos_token_ids is not None else target_eos_ids(target))
+    stop = output_length(reference, max_new_tokens, eos)
+    device = next(target.parameters()).device
+    began = time.perf_counter()
+    sequence = list(prompt_ids) + list(reference)
+    prompt_length = len(prompt_ids)
+    capture = AuxCapture(target, list(drafter.config.aux_layer_ids))
+    try:
+        out = target(input_ids=torch.tensor([sequence], device=device), use_cache=False)
+        aux = capture.take()[0].to(drafter.fc.weight.dtype)
+    finally:
+        capture.remove()
+    greedy = out.logits[0, prompt_length - 1 : -1].argmax(-1).tolist()
+    result = Replay(tokens=[reference[0]], reference_consistent=greedy == list(reference))
+    state = DrafterState(drafter)
+    tokens_after = torch.tensor(sequence[1 : prompt_length + 1], dtype=torch.long, device=device)
+    logits, hidden = state.extend(tokens_after, aux[:prompt_length], 0)
+    root = prompt_length  # index in ``sequence`` of the newest verified token
+    while len(result.tokens) < max_new_tokens and not eos.intersection(result.tokens):
+        tree = build_draft_tree(state, logits[-1], hidden[-1], root, drafting, 0.0, drafter.config.vocab_size, None)
+        node, accepted = -1, 0
+        while True:
+            following = root + accepted + 1
+            if following >= len(sequence):
+                raise ValueError(
+                    f"reference of {len(reference)} tokens ends inside a cycle: decode it with lookahead >= "
+                    f"{drafting.steps} past its stop at {stop}"
+                )
+            node = next((c for c in tree.children(node) if tree.tokens[c] == sequence[following]), None)
+            if node is None:
+                break
+            accepted += 1
+        new_tokens = sequence[root + 1 : root + accepted + 2]
+        result.accepted.append(accepted)
+        result.draft_depths.append(max(tree.depths))
+        result.tokens += new_tokens
+        logits, hidden = state.extend(
+            torch.tensor(new_tokens, dtype=torch.long, device=device), aux[root : root + accepted + 1], root
+        )
+        root += accepted + 1
+    result.tokens = result.tokens[:stop]
+    result.seconds = time.perf_counter() - began
+    return result
 
 
 def acceptance_stats(accepted: list[int], draft_depths: list[int]) -> dict:

@@ -218,6 +218,22 @@ def evaluation_part_path(eval_set, drafting, chunk):
     return evaluation_path(eval_set, drafting, "chunks", f"{chunk}.json")
 
 
+def evaluation_reference_path(eval_set, chunk):
+    return evaluation_path(eval_set, "reference", "chunks", f"{chunk}.json")
+
+
+def evaluation_reference(wildcards):
+    """The target's greedy output a replay job replays (evaluate.method replay), else nothing."""
+    if config["evaluate"]["method"] != "replay":
+        return []
+    return evaluation_reference_path(wildcards.eval_set, wildcards.chunk)
+
+
+def reference_lookahead():
+    """Tokens the reference decodes past each stop: the deepest draft can be accepted there."""
+    return max(drafting["steps"] for drafting in drafting_configs().values())
+
+
 def evaluation_parts(wildcards):
     """The chunk files of one eval set x drafting configuration (evaluate.prompt_chunks)."""
     return [

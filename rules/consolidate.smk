@@ -17,6 +17,8 @@ rule consolidate:
         log_path("consolidate.log"),
     benchmark:
         benchmark_path("consolidate.tsv")
+    # the path to the drafter goes before evaluation's reference decoding (rules/train.smk)
+    priority: 1
     conda:
         "../envs/eaglenest.yaml"
     threads: config["consolidate"]["threads"]

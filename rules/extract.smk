@@ -19,6 +19,8 @@ rule extract_hidden_states:
         log_path("extract", "shard-{shard}.log"),
     benchmark:
         benchmark_path("extract", "shard-{shard}.tsv")
+    # the path to the drafter goes before evaluation's reference decoding (rules/train.smk)
+    priority: 1
     group:
         SGLANG_GROUP
     conda:

@@ -23,6 +23,9 @@ rule train_drafter:
         log_path("train.log"),
     benchmark:
         benchmark_path("train.tsv")
+    # Training is the long pole: it starts before evaluation's reference decoding, which
+    # needs only the target and could otherwise fill the cores first.
+    priority: 1
     conda:
         "../envs/eaglenest.yaml"
     threads: config["train"]["threads"]

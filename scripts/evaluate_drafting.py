@@ -20,4 +20,6 @@ evaluate.evaluate_drafting(
     dtype=snakemake.params.dtype,
     chunk=int(snakemake.wildcards.chunk),
     chunks=snakemake.params.chunks,
+    method=snakemake.params.method,
+    reference_path=snakemake.input.reference or None,
 )

@@ -81,6 +81,17 @@ def test_merged_chunks_give_the_metrics_of_one_job():
     assert [p["id"] for p in split["per_prompt"]] == ["a", "b", "c"]
 
 
+def test_replayed_chunks_have_a_tau_but_no_speed_or_lossless_claim():
+    prompts = [dict(trace("a", [0, 3, 1], lossless=None), reference_consistent=True),
+               dict(trace("b", [2], lossless=None), reference_consistent=False)]
+    metrics = evaluate.metrics_from_parts([part(0, 1, prompts, method="replay")])
+    assert metrics["method"] == "replay" and metrics["tau"] == (6 + 4) / 4
+    assert metrics["speedup"] is None and metrics["speculative_tokens_per_second"] is None
+    assert metrics["lossless"] is None and metrics["reference_inconsistent_prompts"] == ["b"]
+    with pytest.raises(ValueError, match="disagree on method"):
+        evaluate.metrics_from_parts([part(0, 2, prompts, method="replay"), part(1, 2, prompts)])
+
+
 def test_merge_refuses_missing_or_mismatched_chunks():
     prompts = [trace("a", [1])]
     with pytest.raises(ValueError, match="expected 0..2 of 3"):
@@ -123,7 +134,8 @@ def test_summary_writes_the_table_plots_and_the_headline_of_the_first_configurat
         "tau (steps3-topk1-tokens4): mt_bench 1.75, humaneval 2.25; speedup vs the target alone: 0.80x, 0.90x"
     )
     table = out["summary.tsv"].read_text().splitlines()
-    assert len(table) == 4 and table[1].split("\t")[:5] == ["mt_bench", "steps3-topk1-tokens4", "2", "1.750", "0.50 0.40 -"]
+    assert len(table) == 4 and table[1].split("\t")[:6] == [
+        "mt_bench", "steps3-topk1-tokens4", "decode", "2", "1.750", "0.50 0.40 -"]
     for name in ("acc.png", "tau.png", "train.png"):
         assert out[name].read_bytes()[:8] == PNG_MAGIC
     assert json.loads(out["summary.json"].read_text())["lossless"] is True
@@ -173,3 +185,28 @@ def test_the_report_builds_with_the_evaluation_plots(evaluated_workdir):
     for name in ("acceptance_by_position.png", "tau.png", "training_curve.png", "summary.tsv"):
         assert name in html
     assert "Acceptance length tau per eval set" in html
+
+
+def test_replay_jobs_give_the_decoding_jobs_traces(evaluated_workdir):
+    """evaluate.method replay through the workflow: one reference job per chunk, shared by both
+    drafting settings, and per-prompt cycles equal to the decoding run's."""
+    import yaml
+
+    workdir, config = evaluated_workdir
+    values = yaml.safe_load(config.read_text())
+    values["run"] = "tiny-replay"
+    values["evaluate"]["method"] = "replay"
+    replay = workdir / "replay.yaml"
+    replay.write_text(yaml.safe_dump(values, sort_keys=False))
+    run_snakemake(workdir, replay, "--cores", "2", "results/tiny-replay/evaluate/summary.json")
+    decoded, replayed = (workdir / "results" / run / "evaluate" for run in ("tiny", "tiny-replay"))
+    assert sorted(p.name for p in (replayed / "mt_bench" / "reference" / "chunks").iterdir()) == ["0.json", "1.json"]
+    for eval_set in ("mt_bench", "humaneval"):
+        for drafting in ("steps2-topk1-tokens3", "steps2-topk2-tokens4"):
+            one, other = (json.loads((root / eval_set / drafting / "metrics.json").read_text()) for root in (decoded, replayed))
+            assert other["method"] == "replay" and other["speedup"] is None and other["prompts"] == 2
+            assert [(p["id"], p["accepted"], p["draft_depths"], p["new_tokens"]) for p in other["per_prompt"]] == \
+                [(p["id"], p["accepted"], p["draft_depths"], p["new_tokens"]) for p in one["per_prompt"]]
+            assert other["reference_inconsistent_prompts"] == []
+    summary = json.loads((replayed / "summary.json").read_text())
+    assert "replayed on the target's greedy output" in summary["headline"]

@@ -338,3 +338,52 @@ def test_greedy_is_lossless_on_smollm2_with_the_trained_drafter(smollm2):
     drafter = drafter_lib.Eagle3Drafter.from_checkpoint(trained_drafters()[0]).eval()
     stats = assert_lossless_on_smollm2(target, tokenizer, drafter)
     assert stats["tau"] > 1.0, "the trained drafter should get some tokens accepted"
+
+
+# ---- replay: the decoder's cycles from one teacher-forced forward ----------------------------
+
+
+def assert_replay_matches_decoding(target, drafter, prompts, draftings, max_new_tokens):
+    """Replay on the target's greedy output gives the decoder's exact cycles; returns the cycle count."""
+    decoder = speculate.SpeculativeDecoder(target, drafter)
+    eos = sorted(decoder.eos_token_ids)
+    cycles = 0
+    for prompt in prompts:
+        lookahead = max(d.steps for d in draftings)
+        reference = speculate.target_decode(target, prompt, max_new_tokens, eos, lookahead=lookahead)
+        assert len(reference.tokens) == speculate.output_length(reference.tokens, max_new_tokens, eos) + lookahead
+        for drafting in draftings:
+            decoded = decoder.generate(prompt, drafting, max_new_tokens)
+            replayed = speculate.replay_greedy(target, drafter, prompt, reference.tokens, drafting, max_new_tokens, eos)
+            assert replayed.reference_consistent
+            assert replayed.tokens == decoded.tokens
+            assert (replayed.accepted, replayed.draft_depths) == (decoded.accepted, decoded.draft_depths), drafting.name
+            cycles += replayed.cycles
+    return cycles
+
+
+def test_replay_gives_the_decoders_cycles_on_a_tiny_target(tiny_pair):
+    target, drafter = tiny_pair
+    draftings = [speculate.Drafting(3, 1, 4), speculate.Drafting(3, 3, 8), speculate.Drafting(5, 1, 6)]
+    assert assert_replay_matches_decoding(target, drafter, [[5, 6, 7], [100, 3, 250, 8, 19, 77]], draftings, 24) > 0
+
+
+def test_replay_refuses_a_reference_without_lookahead(tiny_pair):
+    target, drafter = tiny_pair
+    reference = speculate.target_decode(target, [5, 6, 7], 12, [])
+    with pytest.raises(ValueError, match="lookahead"):
+        # One reference token and no lookahead: the first cycle already needs the second.
+        speculate.replay_greedy(target, drafter, [5, 6, 7], reference.tokens[:1], speculate.Drafting(3, 1, 4), 12, [])
+
+
+@pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
+def test_replay_gives_the_decoders_cycles_on_smollm2_with_the_trained_drafter(smollm2):
+    target, tokenizer = smollm2
+    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(trained_drafters()[0]).eval()
+    prompts = [chat_ids(tokenizer, text) for text in SMOLLM2_PROMPTS]
+    draftings = [speculate.Drafting(3, 1, 4), speculate.Drafting(4, 4, 10)]
+    assert assert_replay_matches_decoding(target, drafter, prompts, draftings, 32) > 0
+    # Cycles that accepted drafts are what the replay must get right: there are some.
+    decoded = speculate.replay_greedy(target, drafter, prompts[0], speculate.target_decode(
+        target, prompts[0], 32, lookahead=4).tokens, draftings[1], 32)
+    assert sum(decoded.accepted) > 0
