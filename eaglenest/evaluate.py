@@ -341,7 +341,8 @@ def metrics_from_parts(parts: list[dict]) -> dict:
         "speculative_tokens_per_second": spec_tokens_per_second,
         "target_tokens_per_second": target_tokens_per_second,
         "speedup": None if spec_tokens_per_second is None else spec_tokens_per_second / target_tokens_per_second,
-        "device": first["device"],
+        # Chunks may run on different machines (a GPU node and a CPU box): name every device.
+        "device": "+".join(sorted({part["device"] for part in parts})),
         "dtype": first["dtype"],
         "threads": first["threads"],
         "target": first["target"],

@@ -245,7 +245,9 @@ def build_draft_tree(
         else:
             top = torch.topk(logp, drafting.topk)
             ids = drafter.draft_to_target(top.indices)
-            picks = [(int(t), float(s), None) for t, s in zip(ids, top.values)]
+            # One copy to the host per drafted node, not one per child: on a GPU each item
+            # read is a synchronisation, and a 10-wide tree drafts 10 children per node.
+            picks = [(t, s, None) for t, s in zip(ids.tolist(), top.values.tolist())]
         made = []
         for target_id, logprob, q in picks:
             tokens.append(target_id)

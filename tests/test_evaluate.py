@@ -73,12 +73,13 @@ def trace(name, accepted, lossless=True, seconds=1.0):
 def test_merged_chunks_give_the_metrics_of_one_job():
     prompts = [trace("a", [0, 3, 1]), trace("b", [2, 2], lossless=False), trace("c", [1])]
     one = evaluate.metrics_from_parts([part(0, 1, prompts)])
-    split = evaluate.metrics_from_parts([part(1, 2, prompts[2:]), part(0, 2, prompts[:2])])
+    split = evaluate.metrics_from_parts([part(1, 2, prompts[2:], device="cuda"), part(0, 2, prompts[:2])])
     for key in ("tau", "cycles", "tokens", "acceptance_by_position", "accept_length_histogram", "lossless",
                 "mismatched_prompts", "speedup", "prompts"):
         assert split[key] == one[key], key
     assert one["tau"] == (9 + 6) / 6 and one["lossless"] is False and one["mismatched_prompts"] == ["b"]
     assert [p["id"] for p in split["per_prompt"]] == ["a", "b", "c"]
+    assert one["device"] == "cpu" and split["device"] == "cpu+cuda"  # chunks from two machines say so
 
 
 def test_replayed_chunks_have_a_tau_but_no_speed_or_lossless_claim():
@@ -90,6 +91,22 @@ def test_replayed_chunks_have_a_tau_but_no_speed_or_lossless_claim():
     assert metrics["lossless"] is None and metrics["reference_inconsistent_prompts"] == ["b"]
     with pytest.raises(ValueError, match="disagree on method"):
         evaluate.metrics_from_parts([part(0, 2, prompts, method="replay"), part(1, 2, prompts)])
+
+
+def test_an_export_is_evaluated_with_the_weights_it_holds(tmp_path, tiny_llama):
+    """evaluate.drafter may name an SGLang export (no embedding): the target lends its own."""
+    from eaglenest import drafter as drafter_lib
+    from eaglenest import export
+
+    vocab = {"d2t": torch.zeros(64, dtype=torch.int64), "t2d": torch.arange(320) < 64}
+    trained = drafter_lib.build_drafter(tiny_llama, vocab, [1, 3, 4])
+    trained.save(tmp_path / "drafter")
+    export.export_drafter(tmp_path / "drafter", tiny_llama, "tiny", tmp_path / "sglang", tmp_path / "vllm",
+                          tmp_path / "report.json", dtype="bfloat16")
+    _, _, loaded, _ = evaluate._load_models(tiny_llama, tmp_path / "sglang", "cpu", 1, "float32")
+    for name, tensor in trained.state_dict().items():
+        expected = tensor.to(torch.bfloat16).float() if tensor.is_floating_point() and name != "embed_tokens.weight" else tensor
+        assert torch.equal(loaded.state_dict()[name].to(expected.dtype), expected), name
 
 
 def test_merge_refuses_missing_or_mismatched_chunks():
