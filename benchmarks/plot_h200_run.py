@@ -1,8 +1,8 @@
-"""Validation accuracy against training tokens: the full set (one partial epoch) and the two
-1K-conversation arms (original and regenerated answers) of the H200 run.
+"""Validation accuracy against training tokens: the full set and the two 1K-conversation arms
+(original and regenerated answers) of an H200 run.
 
-    python benchmarks/plot_h200_run.py docs/results/h200-2026-11-29/run2
-reads training_curve-{full-partial,1k-original,1k-regenerated}.json there and writes
+    python benchmarks/plot_h200_run.py docs/results/h200-2026-11-29/run3
+reads the training_curve-<name>.json files there (names below) and writes
 val_acc_by_tokens.png beside them.
 """
 import json
@@ -15,6 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 CURVES = {
+    "full": "full set (16,213 samples), 1 epoch",
     "full-partial": "full set (16,213 samples), 1 epoch stopped at 64 %",
     "1k-original": "1K subset, original answers, 3 epochs",
     "1k-regenerated": "1K subset, regenerated answers, 3 epochs",
@@ -32,9 +33,12 @@ def tokens_per_step(curve: dict) -> float:
 def main(directory: str) -> None:
     directory = Path(directory)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    colors = {"full-partial": "tab:blue", "1k-original": "tab:orange", "1k-regenerated": "tab:green"}
+    colors = {"full": "tab:blue", "full-partial": "tab:blue", "1k-original": "tab:orange", "1k-regenerated": "tab:green"}
     for name, label in CURVES.items():
-        curve = json.loads((directory / f"training_curve-{name}.json").read_text())
+        path = directory / f"training_curve-{name}.json"
+        if not path.exists():
+            continue
+        curve = json.loads(path.read_text())
         per_step = tokens_per_step(curve)
         tokens = [point["step"] * per_step / 1e6 for point in curve["val"]]
         for position, style in ((0, "-"), (6, "--")):
