@@ -122,6 +122,11 @@ def fake_vllm_process():
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
                                 "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/Kimi-K2.5",
                                 "--tensor-parallel-size", "8"])
+    # Until the child has exec'd, /proc shows no command line (seen on a loaded 2-core machine).
+    cmdline = Path(f"/proc/{process.pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while b"vllm.entrypoints" not in cmdline.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
     yield process
     process.kill()
     process.wait()
