@@ -87,6 +87,12 @@ def load_prompts(eval_set: str, path: str | os.PathLike, count: int | None) -> l
 # ---- one job: a slice of one set's prompts with one drafting configuration -------------------
 
 
+def chunk_prompts(eval_set: str, path, num_prompts: int | None, chunk: int, chunks: int) -> tuple[list[dict], slice]:
+    """Every prompt of the evaluation and the slice of them that chunk ``chunk`` takes."""
+    every_prompt = load_prompts(eval_set, path, num_prompts)
+    return every_prompt, prompt_slice(len(every_prompt), chunk, chunks)
+
+
 def prompt_slice(count: int, chunk: int, chunks: int) -> slice:
     """Contiguous slice ``chunk`` of ``chunks`` near-equal slices of ``count`` prompts.
 
@@ -156,8 +162,7 @@ def decode_reference(
     from eaglenest import speculate
     from eaglenest.prepare import prompt_ids
 
-    every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
-    span = prompt_slice(len(every_prompt), chunk, chunks)
+    every_prompt, span = chunk_prompts(eval_set, prompts_path, num_prompts, chunk, chunks)
     tokenizer, target, _, device = _load_models(target_path, None, device, threads, dtype)
     eos = speculate.target_eos_ids(target)
     part = {
@@ -226,8 +231,7 @@ def evaluate_drafting(
     if method == "replay" and (temperature != 0 or reference_path is None):
         raise ValueError("evaluate method 'replay' replays greedy decoding: it needs temperature 0 and a reference")
     config = speculate.Drafting.from_dict(drafting)
-    every_prompt = load_prompts(eval_set, prompts_path, num_prompts)
-    span = prompt_slice(len(every_prompt), chunk, chunks)
+    every_prompt, span = chunk_prompts(eval_set, prompts_path, num_prompts, chunk, chunks)
     prompts = every_prompt[span]
     reference = None
     if method == "replay":

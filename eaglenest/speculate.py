@@ -395,7 +395,7 @@ class SpeculativeDecoder:
             next_tokens = torch.tensor(prompt_ids[1:] + [first], dtype=torch.long, device=device)
             logits, hidden = drafter_state.extend(next_tokens, aux.to(self.drafter.fc.weight.dtype), 0)
             root_position = len(prompt_ids)
-            while not self._finished(result, max_new_tokens):
+            while not generation_finished(result.tokens, max_new_tokens, self.eos_token_ids):
                 tree = build_draft_tree(
                     drafter_state, logits[-1], hidden[-1], root_position, drafting, temperature,
                     self.vocab_size, generator,
@@ -423,7 +423,7 @@ class SpeculativeDecoder:
                 root_position += len(path)
         finally:
             capture.remove()
-        result.tokens = self._truncate(result.tokens, max_new_tokens)
+        result.tokens = result.tokens[: output_length(result.tokens, max_new_tokens, self.eos_token_ids)]
         result.seconds = time.perf_counter() - began
         return result
 
@@ -448,17 +448,6 @@ class SpeculativeDecoder:
             node = chosen
             path.append(node + 1)
 
-    def _finished(self, result: Generation, max_new_tokens: int) -> bool:
-        return len(result.tokens) >= max_new_tokens or any(t in self.eos_token_ids for t in result.tokens)
-
-    def _truncate(self, tokens: list[int], max_new_tokens: int) -> list[int]:
-        tokens = tokens[:max_new_tokens]
-        for i, token in enumerate(tokens):
-            if token in self.eos_token_ids:
-                return tokens[: i + 1]
-        return tokens
-
-
 def target_eos_ids(target) -> list[int]:
     ids = []
     for source in (getattr(target, "generation_config", None), target.config):
@@ -466,6 +455,11 @@ def target_eos_ids(target) -> list[int]:
         if value is not None:
             ids += value if isinstance(value, list) else [value]
     return sorted(set(ids))
+
+
+def generation_finished(tokens: list[int], max_new_tokens: int, eos_token_ids) -> bool:
+    """Whether a speculative generation stops before its next cycle (a cycle can overshoot)."""
+    return len(tokens) >= max_new_tokens or any(token in eos_token_ids for token in tokens)
 
 
 def output_length(tokens: list[int], max_new_tokens: int, eos_token_ids) -> int:
@@ -493,15 +487,18 @@ def target_decode(
     began = time.perf_counter()
     out = target(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True)
     tokens = [int(out.logits[0, -1].argmax())]
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+
+    def decode_next_token():
+        nonlocal out
         out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
                      **cache_argument(target, returned_cache(out)))
         tokens.append(int(out.logits[0, -1].argmax()))
+
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+        decode_next_token()
     seconds = time.perf_counter() - began
     for _ in range(lookahead):
-        out = target(input_ids=torch.tensor([[tokens[-1]]], device=device), use_cache=True,
-                     **cache_argument(target, returned_cache(out)))
-        tokens.append(int(out.logits[0, -1].argmax()))
+        decode_next_token()
     return Generation(tokens=tokens, seconds=seconds)
 
 
@@ -555,7 +552,7 @@ def replay_greedy(
     tokens_after = torch.tensor(sequence[1 : prompt_length + 1], dtype=torch.long, device=device)
     logits, hidden = state.extend(tokens_after, aux[:prompt_length], 0)
     root = prompt_length  # index in ``sequence`` of the newest verified token
-    while len(result.tokens) < max_new_tokens and not eos.intersection(result.tokens):
+    while not generation_finished(result.tokens, max_new_tokens, eos):
         tree = build_draft_tree(state, logits[-1], hidden[-1], root, drafting, 0.0, drafter.config.vocab_size, None)
         node, accepted = -1, 0
         while True:
