@@ -33,8 +33,14 @@ Training-time test mask (EAGLE-3): step 0 is ordinary causal attention over the 
 context. Step j > 0 at position t stands for the j-th drafted token after t: it attends to the
 step-0 keys at positions <= t of its own sample (the verified context) and to the keys that
 steps 1..j made at position t (its own drafted ancestors) -- what the drafter sees at depth j
-of a draft tree in SGLang. All steps reuse the step-0 rotary positions (as the EAGLE-3 and
-SpecForge training code do).
+of a draft tree in SGLang. Step j's queries and keys rotate at position t + j, where the
+j-th drafted token sits at inference (the caller passes ``position_ids + j``; eaglenest.train
+does).
+
+Attention never builds a [T, T] matrix in training: the causal context part runs in a
+block-sparse kernel (FlexAttention on a GPU) or a dense fallback (CPU), returning its
+log-sum-exp; the j diagonal keys are per-position dot products; the two parts are merged
+exactly through their log-sum-exps.
 
 Layer ids (HF convention: hidden_states[i] of a transformers forward is the input of decoder
 layer i) are kept in the config; translating them for a serving backend is the exporter's job.
@@ -185,14 +191,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+ATTENTION_BACKENDS = ("dense", "flex")
+
+
+def default_attention_backend(device: torch.device) -> str:
+    """FlexAttention where it trains (CUDA); dense math elsewhere (its CPU kernel has no backward)."""
+    return "flex" if torch.device(device).type == "cuda" else "dense"
+
+
 class TTTCache:
     """Keys/values of earlier training-time-test steps and the step-0 mask.
 
     ``context_*`` are step 0's keys/values (the real context); ``draft_*`` hold one entry per
-    later step, each attended to only by the query at the same position.
+    later step, each attended to only by the query at the same position. ``backend`` picks how
+    the context part is computed ("auto": :func:`default_attention_backend` of the keys' device).
     """
 
-    def __init__(self):
+    def __init__(self, backend: str = "auto"):
+        if backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention backend {backend!r}: expected auto or one of {ATTENTION_BACKENDS}")
+        self.backend = backend
         self.context_k = self.context_v = self.context_mask = None
         self.draft_k: list[torch.Tensor] = []
         self.draft_v: list[torch.Tensor] = []
@@ -201,6 +219,23 @@ class TTTCache:
     def steps(self) -> int:
         return 0 if self.context_k is None else 1 + len(self.draft_k)
 
+    def start(self, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor) -> None:
+        """Keep step 0's keys/values and build the context mask once for every later step."""
+        if self.backend == "auto":
+            self.backend = default_attention_backend(k.device)
+        self.context_k, self.context_v = k, v
+        if self.backend == "flex":
+            self.context_mask = segment_block_mask(segment_ids)
+        else:
+            self.context_mask = causal_segment_mask(segment_ids)
+
+    def attend_context(self, q: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of ``q`` over the step-0 keys of its own segment: (out, log-sum-exp
+        of the scaled scores, float32 [B, heads, T])."""
+        if self.backend == "flex":
+            return flex_context_attention(q, self.context_k, self.context_v, self.context_mask)
+        return dense_context_attention(q, self.context_k, self.context_v, self.context_mask, group)
+
 
 def causal_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """[B, 1, T, T] bool: query t sees key s <= t of the same segment (padding sees padding)."""
@@ -208,6 +243,68 @@ def causal_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return (causal & same)[:, None]
+
+
+def segment_block_mask(segment_ids: torch.Tensor):
+    """The mask of :func:`causal_segment_mask` as a FlexAttention block mask: only the
+    [128 x 128] blocks that hold an allowed pair are visited, so memory is linear in T."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_segment_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (segment_ids[b, q_idx] == segment_ids[b, kv_idx])
+
+    batch, length = segment_ids.shape
+    return create_block_mask(same_segment_causal, batch, None, length, length, device=segment_ids.device,
+                             _compile=segment_ids.is_cuda)
+
+
+_compiled_flex = None
+
+
+def flex_context_attention(q, k, v, block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention with the log-sum-exp; compiled on a GPU (eager flex is a reference
+    implementation that materialises the scores and, on the CPU, has no backward)."""
+    global _compiled_flex
+    from torch.nn.attention import flex_attention as flex_module
+
+    kernel = flex_module.flex_attention
+    if q.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_module.flex_attention, dynamic=False)
+        kernel = _compiled_flex
+    enable_gqa = q.shape[1] != k.shape[1]
+    if hasattr(flex_module, "AuxRequest"):
+        out, aux = kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa,
+                          return_aux=flex_module.AuxRequest(lse=True))
+        return out, aux.lse
+    return kernel(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, return_lse=True)
+
+
+def dense_context_attention(q, k, v, mask, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same as :func:`flex_context_attention` with an explicit [T, T] score matrix."""
+    scores = torch.matmul(q, _repeat_kv(k, group).transpose(-1, -2)).float() * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse[..., None]).to(q.dtype)
+    return torch.matmul(weights, _repeat_kv(v, group)), lse
+
+
+def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
+    """Softmax attention over [context keys ; one diagonal key per draft step], exactly, from
+    the context part's output and log-sum-exp and the diagonal scores (dot products at each
+    query's own position): no [T, j*T] matrix that would be almost all masked."""
+    scale = q.shape[-1] ** -0.5
+    q32 = q.float()
+    diagonal = torch.stack([(q32 * _repeat_kv(k, group).float()).sum(-1) * scale for k in draft_k], dim=-1)
+    # Any common shift is exact; the max keeps exp() in range. No gradient flows through it.
+    shift = torch.maximum(context_lse, diagonal.amax(-1)).detach()
+    context_weight = torch.exp(context_lse - shift)
+    diagonal_weight = torch.exp(diagonal - shift[..., None])
+    total = context_weight + diagonal_weight.sum(-1)
+    out = context_out.float() * (context_weight / total)[..., None]
+    for i, v in enumerate(draft_v):
+        out = out + (diagonal_weight[..., i] / total)[..., None] * _repeat_kv(v, group).float()
+    return out.to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -234,35 +331,18 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         group = self.heads // self.kv_heads
-        if cache is None or cache.steps == 0:
+        if cache is None:
             mask = causal_segment_mask(segment_ids)
-            if cache is not None:
-                cache.context_k, cache.context_v, cache.context_mask = k, v, mask
-            out = F.scaled_dot_product_attention(
-                q, _repeat_kv(k, group), _repeat_kv(v, group), attn_mask=mask
-            )
+            out = F.scaled_dot_product_attention(q, _repeat_kv(k, group), _repeat_kv(v, group), attn_mask=mask)
+        elif cache.steps == 0:
+            cache.start(k, v, segment_ids)
+            out, _ = cache.attend_context(q, group)
         else:
             cache.draft_k.append(k)
             cache.draft_v.append(v)
-            out = self._draft_step_attention(q, cache, group)
+            context_out, context_lse = cache.attend_context(q, group)
+            out = merge_diagonal_keys(context_out, context_lse, q, cache.draft_k, cache.draft_v, group)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
-
-    def _draft_step_attention(self, q, cache: TTTCache, group: int) -> torch.Tensor:
-        """Attention of TTT step j > 0: causal over the step-0 keys, plus one key per earlier
-        draft step at the query's own position. The diagonal keys are dot products, not a
-        [T, j*T] matrix that would be almost all masked (as the EAGLE-3 paper suggests)."""
-        scale = self.head_dim**-0.5
-        context = torch.matmul(q, _repeat_kv(cache.context_k, group).transpose(-1, -2)) * scale
-        context = context.masked_fill(~cache.context_mask, float("-inf"))
-        diagonal = torch.stack(
-            [(q * _repeat_kv(k, group)).sum(-1) * scale for k in cache.draft_k], dim=-1
-        )  # [B, heads, T, j]
-        weights = torch.softmax(torch.cat([context, diagonal], dim=-1).float(), dim=-1).to(q.dtype)
-        length = context.shape[-1]
-        out = torch.matmul(weights[..., :length], _repeat_kv(cache.context_v, group))
-        for i, v in enumerate(cache.draft_v):
-            out = out + weights[..., length + i, None] * _repeat_kv(v, group)
-        return out
 
 
 def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -62,6 +62,8 @@ DEFAULTS = {
     "threads": 2,
     "prefetch": 2,
     "loss_chunk_rows": 8192,
+    "attention": "auto",
+    "compile": False,
     "log_every": 1,
     "val_every": 0,
     "checkpoint_every": 10,
@@ -74,6 +76,11 @@ CONTENT_KEYS = (
     "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
 )
 CHECKPOINT_FORMAT = "eaglenest-train-checkpoint"
+# What the objective computes beyond the settings: a change of convention (TTT step j moved
+# from step 0's rotary positions to t + j) must neither resume an old checkpoint nor keep an
+# old drafter. rules/train.smk passes the same string as a param (tests keep them equal), so
+# Snakemake retrains when it changes.
+OBJECTIVE = "ttt-rotary-t+j"
 # Checkpoint file name -> sha256 of its bytes, recorded before the checkpoint appears under its
 # name. torch.load neither checks the zip's CRCs nor names the file when it fails: resume checks these.
 CHECKSUMS_NAME = "checksums.json"
@@ -85,7 +92,9 @@ CHECKSUMS_NAME = "checksums.json"
 class TargetHead:
     """The target's lm_head, for soft labels over the draft vocab and the in-draft-vocab test.
 
-    Full-vocab logits exist only for ``chunk_rows`` rows at a time (Kimi: 163,840 columns).
+    One full-vocabulary product per chunk of ``chunk_rows`` rows gives both: the draft logits
+    are its draft-vocab columns and the in-draft test is its argmax. Full-vocab logits exist
+    for one chunk at a time, in the head's dtype (Kimi: 163,840 columns), never in float32.
     """
 
     def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26):
@@ -93,17 +102,20 @@ class TargetHead:
         if full.shape[0] != t2d.numel():
             raise ValueError(f"target lm_head has {full.shape[0]} rows, draft vocab t2d covers {t2d.numel()}")
         self.t2d = t2d.to(device)
+        self.draft_columns = t2d.nonzero().squeeze(-1).to(device)
         self.full = full.to(device=device, dtype=dtype)
-        self.draft = full[t2d].to(device=device, dtype=dtype)
         self.chunk_rows = max(1, chunk_elements // full.shape[0])
 
     @torch.no_grad()
     def __call__(self, last_hidden: torch.Tensor):
-        """last_hidden [N, H] -> (probs [N, D] fp32, in_draft [N] bool)."""
-        x = last_hidden.to(self.draft.dtype)
-        probs = torch.softmax((x @ self.draft.T).float(), dim=-1)
-        in_draft = torch.cat([self.t2d[(chunk @ self.full.T).argmax(-1)] for chunk in x.split(self.chunk_rows)])
-        return probs, in_draft
+        """last_hidden [N, H] -> (draft-vocab logits [N, D] in the head's dtype, in_draft [N] bool)."""
+        x = last_hidden.to(self.full.dtype)
+        logits, in_draft = [], []
+        for chunk in x.split(self.chunk_rows):
+            full = chunk @ self.full.T
+            in_draft.append(self.t2d[full.argmax(-1)])
+            logits.append(full.index_select(1, self.draft_columns))
+        return torch.cat(logits), torch.cat(in_draft)
 
 
 def shift_left(x: torch.Tensor, by: int, fill) -> torch.Tensor:
@@ -115,66 +127,111 @@ def shift_left(x: torch.Tensor, by: int, fill) -> torch.Tensor:
 
 
 def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list[torch.Tensor]:
-    """For each TTT step j, the flat [B*T] indices t whose prediction of x_{t+2+j} counts."""
+    """For each TTT step j, the flat [B*T] indices t whose prediction of x_{t+2+j} counts.
+
+    The step's one host synchronisation: every step's indices come from one ``nonzero``.
+    """
     seg, mask = batch["segment_ids"], batch["loss_mask"]
-    positions = []
+    valid = []
     for j in range(ttt_length):
         same = (shift_left(seg, 2 + j, -2) == seg) & (seg >= 0)
-        valid = same & shift_left(mask, 2 + j, False) & shift_left(in_draft, 1 + j, False)
-        positions.append(valid.flatten().nonzero().squeeze(-1))
-    return positions
+        valid.append((same & shift_left(mask, 2 + j, False) & shift_left(in_draft, 1 + j, False)).flatten())
+    flat = torch.stack(valid).flatten().nonzero().squeeze(-1)
+    per_row = seg.numel()
+    counts = torch.bincount(flat // per_row, minlength=ttt_length).tolist()
+    return [rows - j * per_row for j, rows in enumerate(flat.split(counts))]
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """sum over rows of -sum_k p_k log softmax(z)_k with p = softmax(target logits).
+
+    Saves the logits and the target logits as they are (bf16 on a GPU: 2 bytes an element)
+    instead of autograd's float32 log-softmax and probabilities (8 bytes); the gradient
+    softmax(z) - p is formed in float32 chunks of ``rows`` rows."""
+
+    rows = 4096
+
+    @staticmethod
+    def forward(ctx, logits, target_logits):
+        ctx.save_for_backward(logits, target_logits)
+        total = logits.new_zeros((), dtype=torch.float32)
+        for z, t in zip(logits.split(SoftCrossEntropy.rows), target_logits.split(SoftCrossEntropy.rows)):
+            z = z.float()
+            p = torch.softmax(t.float(), dim=-1)
+            total = total + (p * (torch.logsumexp(z, dim=-1, keepdim=True) - z)).sum()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target_logits = ctx.saved_tensors
+        parts = [
+            ((torch.softmax(z.float(), dim=-1) - torch.softmax(t.float(), dim=-1)) * grad).to(logits.dtype)
+            for z, t in zip(logits.split(SoftCrossEntropy.rows), target_logits.split(SoftCrossEntropy.rows))
+        ]
+        return torch.cat(parts), None
 
 
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
-    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = DEFAULTS["loss_chunk_rows"]):
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 8192,
+                 attention_backend: str = "auto"):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
         # Above this many counted positions a step's loss runs in chunks whose logits are
         # recomputed in the backward pass: a step of 16 x 16,384 tokens otherwise keeps
-        # [positions, draft vocab] float32 logits per TTT step (22.5 GB each at 32K).
+        # [positions, draft vocab] logits per TTT step (11 GB each in bf16 at 32K).
         self.loss_chunk_rows = loss_chunk_rows
+        self.attention_backend = attention_backend
 
-    def _soft_ce(self, normed_rows, target, target_ids):
-        logits = self.drafter.compute_logits(normed_rows).float()
-        ce = -(target * F.log_softmax(logits, dim=-1)).sum()
+    def _soft_ce(self, normed_rows, target_logits, target_ids):
+        logits = self.drafter.compute_logits(normed_rows)
+        ce = SoftCrossEntropy.apply(logits, target_logits)
         return ce, (logits.argmax(-1) == target_ids).sum()
 
-    def step_loss(self, normed_rows, target, target_ids):
-        """(sum of soft CE, top-1 hits) over the rows, chunked past ``loss_chunk_rows``."""
+    def step_loss(self, normed_rows, target_logits, target_ids):
+        """(sum of soft CE, top-1 hits) over the rows as device tensors, chunked past
+        ``loss_chunk_rows``."""
         if normed_rows.shape[0] <= self.loss_chunk_rows:
-            ce, hits = self._soft_ce(normed_rows, target, target_ids)
-            return ce, int(hits)
+            return self._soft_ce(normed_rows, target_logits, target_ids)
         ce, hits = 0.0, 0
         for start in range(0, normed_rows.shape[0], self.loss_chunk_rows):
             part = slice(start, start + self.loss_chunk_rows)
             chunk_ce, chunk_hits = torch.utils.checkpoint.checkpoint(
-                self._soft_ce, normed_rows[part], target[part], target_ids[part], use_reentrant=False
+                self._soft_ce, normed_rows[part], target_logits[part], target_ids[part], use_reentrant=False
             )
-            ce, hits = ce + chunk_ce, hits + int(chunk_hits)
+            ce, hits = ce + chunk_ce, hits + chunk_hits
         return ce, hits
 
-    def forward(self, batch, probs, positions):
-        """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows."""
-        if batch is None:  # a rank with no row this step still joins DDP's reduction
-            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            return [(zero, 0, 0)] * self.ttt_length
+    def unroll(self, batch):
+        """Yield (j, normed [B, T, H]) per TTT step. Step j at position t reads x_{t+1+j} and sits
+        at rotary position t + j, where the drafter puts its j-th drafted token when it drafts
+        (eaglenest.speculate, SGLang); its attention follows drafter.TTTCache."""
         ids, seg, pos = batch["input_ids"], batch["segment_ids"], batch["position_ids"]
         hidden = batch["aux_hidden"]
-        target_ids = probs.argmax(-1)
-        cache = drafter_lib.TTTCache()
-        results = []
+        cache = drafter_lib.TTTCache(self.attention_backend)
         for j in range(self.ttt_length):
             # Token x_{t+1+j}; across a sample boundary the id is irrelevant (never counted), use 0.
             step_ids = torch.where(shift_left(seg, 1 + j, -2) == seg, shift_left(ids, 1 + j, 0), 0)
-            normed, hidden = self.drafter.backbone(step_ids, hidden, pos, cache, seg)
+            normed, hidden = self.drafter.backbone(step_ids, hidden, pos + j, cache, seg)
+            yield j, normed
+
+    def forward(self, batch, target_logits, positions):
+        """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows;
+        CE and hits are device tensors (read at log time, not in the step)."""
+        if batch is None:  # a rank with no row this step still joins DDP's reduction
+            zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            return [(zero, 0, zero.detach())] * self.ttt_length
+        target_ids = target_logits.argmax(-1)
+        results = []
+        for j, normed in self.unroll(batch):
             rows = positions[j]
             if rows.numel() == 0:
-                results.append((normed.sum() * 0.0, 0, 0))
+                results.append((normed.sum() * 0.0, 0, normed.new_zeros((), dtype=torch.int64)))
                 continue
-            ce, hits = self.step_loss(normed.flatten(0, 1)[rows], probs[rows + 1 + j], target_ids[rows + 1 + j])
+            ce, hits = self.step_loss(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j],
+                                      target_ids[rows + 1 + j])
             results.append((ce, rows.numel(), hits))
         return results
 
@@ -185,6 +242,7 @@ class TTTObjective(nn.Module):
 def fingerprint(settings: dict, index_path) -> str:
     index = json.loads(Path(index_path).read_text())
     content = {key: settings[key] for key in CONTENT_KEYS}
+    content["objective"] = OBJECTIVE
     content["shards"] = [entry["checksums"] for entry in index["shards"]]
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -322,14 +380,6 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def all_reduce_sum(values: list[float], device) -> list[float]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
-
-
 def to_device(batch, device, hidden_dtype):
     if batch is None:
         return None
@@ -350,28 +400,33 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
     length = settings["ttt_length"]
     steps = loader.epoch_steps(dataset, settings["token_budget"], settings["rows_per_step"], 0, 0, shuffle=False)
     reader = loader.RowReader(dataset)
-    sums = [0.0] * (4 * length)
+    # [ce, count, hits, chance] per step, summed on the device and read once at the end.
+    sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    pad_to = settings["token_budget"] if device.type == "cuda" else None
     for rows in steps:
         mine = rows[rank::world_size]
         if not mine:
             continue
-        batch = to_device(reader.batch(mine), device, hidden_dtype)
-        probs, in_draft = head(batch["last_hidden"].flatten(0, 1))
+        batch = to_device(reader.batch(mine, pad_to=pad_to), device, hidden_dtype)
+        target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
         positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
         with autocast:
-            results = objective(batch, probs, positions)
-        target_ids = probs.argmax(-1)
+            results = objective(batch, target_logits, positions)
+        target_ids = target_logits.argmax(-1)
         for j, (ce, count, hits) in enumerate(results):
-            chance = int((target_ids[positions[j] + 1 + j] == top_draft_id).sum())
-            sums[4 * j : 4 * j + 4] = [sums[4 * j] + float(ce), sums[4 * j + 1] + count,
-                                       sums[4 * j + 2] + hits, sums[4 * j + 3] + chance]
-    sums = all_reduce_sum(sums, device)
-    counts = [sums[4 * j + 1] for j in range(length)]
+            chance = (target_ids[positions[j] + 1 + j] == top_draft_id).sum()
+            sums[j] += torch.stack([torch.as_tensor(ce, dtype=torch.float64, device=device),
+                                    torch.tensor(float(count), dtype=torch.float64, device=device),
+                                    hits.to(torch.float64), chance.to(torch.float64)])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sums)
+    sums = sums.tolist()
+    counts = [sums[j][1] for j in range(length)]
     return {
-        "loss": [sums[4 * j] / max(counts[j], 1) for j in range(length)],
-        "acc": [sums[4 * j + 2] / max(counts[j], 1) for j in range(length)],
-        "chance_acc": [sums[4 * j + 3] / max(counts[j], 1) for j in range(length)],
+        "loss": [sums[j][0] / max(counts[j], 1) for j in range(length)],
+        "acc": [sums[j][2] / max(counts[j], 1) for j in range(length)],
+        "chance_acc": [sums[j][3] / max(counts[j], 1) for j in range(length)],
         "positions": [int(c) for c in counts],
     }
 
@@ -453,10 +508,14 @@ def _train(
         raise ValueError(f"target hidden size {model.config.target_hidden_size} != shards' {train_set.hidden_size}")
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
-    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"])
+    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"])
+    if settings["compile"] and device.type == "cuda":
+        # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        model.midlayer.compile(dynamic=False)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], betas=(0.9, 0.95),
-                                  weight_decay=settings["weight_decay"])
+                                  weight_decay=settings["weight_decay"], fused=device.type == "cuda")
     stream = loader.StepStream(
         train_set, settings["token_budget"], settings["rows_per_step"], settings["seed"], settings["epochs"],
         rank=rank, world_size=world_size, prefetch=settings["prefetch"],
@@ -508,59 +567,93 @@ def _train(
     progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=log_stream or sys.stderr,
                     disable=rank != 0, mininterval=5.0, dynamic_ncols=False)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    decay_weights = [settings["decay"] ** j for j in range(settings["ttt_length"])]
+    length = settings["ttt_length"]
+    decay_weights = [settings["decay"] ** j for j in range(length)]
     loop_began = time.perf_counter()
     tokens_seen, steps_done = 0, 0
+    # Steps whose statistics are still on the device: (record so far, [ce x L, hits x L, counts x L,
+    # tokens, grad norm]). Read in one copy at log, validation and checkpoint time, so that the
+    # step itself never waits for the device beyond the counted positions.
+    pending: list[tuple[dict, torch.Tensor]] = []
+
+    def flush_records() -> None:
+        nonlocal tokens_seen
+        if not pending:
+            return
+        stacked = torch.stack([stats for _, stats in pending])
+        if distributed:
+            grad_column = stacked[:, -1].clone()
+            dist.all_reduce(stacked)  # ce and hits summed over ranks; counts were global already
+            stacked[:, 2 * length : 3 * length + 1] /= world_size
+            stacked[:, -1] = grad_column
+        for (record, _), values in zip(pending, stacked.tolist()):
+            counts = values[2 * length : 3 * length]
+            record.update({
+                "grad_norm": values[-1],
+                "loss": sum(w * values[j] / max(counts[j], 1) for j, w in enumerate(decay_weights)),
+                "acc": [values[length + j] / max(counts[j], 1) for j in range(length)],
+                "positions": [int(c) for c in counts], "tokens": int(values[3 * length]),
+            })
+            curve["train"].append(record)
+            tokens_seen += record["tokens"]
+        last = pending[-1][0]
+        progress.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.3f}", refresh=False)
+        log.info("step %d/%d epoch %d loss %.4f acc %s lr %.2e grad %.3f", last["step"], total_steps, last["epoch"],
+                 last["loss"], [round(a, 3) for a in last["acc"]], last["lr"], last["grad_norm"])
+        pending.clear()
+
     log.info("training %d steps (%d train samples, %d tokens; %d val samples) on %s x%d from step %d",
              total_steps, len(train_set.samples), train_set.num_tokens, len(val_set.samples), device, world_size,
              start_step)
     model.train()
     try:
         waited_before = 0.0
+        step_ended = time.perf_counter()
         for step, epoch, batch in stream:
-            began = time.perf_counter()
             waited, waited_before = stream.wait_seconds - waited_before, stream.wait_seconds
+            local_tokens = float(batch["tokens"]) if batch is not None else 0.0
             batch = to_device(batch, device, hidden_dtype)
             if batch is not None:
-                probs, in_draft = head(batch["last_hidden"].flatten(0, 1))
-                positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), settings["ttt_length"])
-                local_counts = [float(p.numel()) for p in positions] + [float(batch["tokens"])]
+                target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
+                positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
+                local_counts = [float(p.numel()) for p in positions] + [local_tokens]
             else:
-                probs, positions = None, None
-                local_counts = [0.0] * (settings["ttt_length"] + 1)
-            global_counts = all_reduce_sum(local_counts, device)
+                target_logits, positions = None, None
+                local_counts = [0.0] * (length + 1)
+            global_counts = torch.tensor(local_counts, dtype=torch.float64).to(device, non_blocking=True)
+            if distributed:
+                dist.all_reduce(global_counts)
             with autocast:
-                results = ddp(batch, probs, positions)
+                results = ddp(batch, target_logits, positions)
             # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
-            loss = sum(w * ce * world_size / max(n, 1.0)
-                       for w, (ce, _, _), n in zip(decay_weights, results, global_counts))
+            loss = sum(w * ce * world_size / global_counts[j].clamp(min=1.0)
+                       for j, (w, (ce, _, _)) in enumerate(zip(decay_weights, results)))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"]))
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
             optimizer.step()
             scheduler.step()
-            stats = all_reduce_sum([float(ce.detach()) for ce, _, _ in results] + [float(h) for _, _, h in results], device)
-            length = settings["ttt_length"]
-            record = {
-                "step": step + 1, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                "loss": sum(w * stats[j] / max(global_counts[j], 1) for j, w in enumerate(decay_weights)),
-                "acc": [stats[length + j] / max(global_counts[j], 1) for j in range(length)],
-                "positions": [int(c) for c in global_counts[:length]], "tokens": int(global_counts[-1]),
-                "seconds": time.perf_counter() - began, "data_wait_seconds": waited,
-            }
-            curve["train"].append(record)
-            tokens_seen += record["tokens"]
+            stats = torch.cat([
+                torch.stack([torch.as_tensor(ce, device=device).detach().to(torch.float64) for ce, _, _ in results]),
+                torch.stack([torch.as_tensor(h, device=device).to(torch.float64) for _, _, h in results]),
+                global_counts, grad_norm.detach().to(torch.float64).reshape(1),
+            ])
+            now = time.perf_counter()
+            pending.append(({"step": step + 1, "epoch": epoch, "lr": scheduler.get_last_lr()[0],
+                             "seconds": now - step_ended - waited, "data_wait_seconds": waited}, stats))
+            step_ended = now
             steps_done += 1
             progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}", refresh=False)
-            if (step + 1) % settings["log_every"] == 0:
-                log.info("step %d/%d epoch %d loss %.4f acc %s lr %.2e grad %.3f", step + 1, total_steps, epoch,
-                         record["loss"], [round(a, 3) for a in record["acc"]], record["lr"], grad_norm)
-            if settings["val_every"] and (step + 1) % settings["val_every"] == 0 and step + 1 < total_steps:
+            validating = settings["val_every"] and (step + 1) % settings["val_every"] == 0 and step + 1 < total_steps
+            checkpointing = (step + 1) % settings["checkpoint_every"] == 0 or step + 1 == total_steps
+            stopping = stop_after_steps is not None and steps_done >= stop_after_steps
+            if (step + 1) % settings["log_every"] == 0 or validating or checkpointing or stopping:
+                flush_records()
+            if validating:
                 run_validation(step + 1)
-            if (step + 1) % settings["checkpoint_every"] == 0 or step + 1 == total_steps:
+            if checkpointing:
                 checkpoint(step + 1)
-            if stop_after_steps is not None and steps_done >= stop_after_steps:
+            if stopping:
                 return {"stopped_at": step + 1}
     finally:
         stream.close()

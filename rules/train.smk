@@ -35,6 +35,8 @@ rule train_drafter:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
+        # eaglenest.train.OBJECTIVE: a new training convention retrains the drafter
+        objective="ttt-rotary-t+j",
         # the keys of eaglenest.train.CONTENT_KEYS (tests/test_train.py keeps them equal)
         hyper={
             key: config["train"][key]

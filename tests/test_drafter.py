@@ -79,18 +79,21 @@ def test_fc_applies_to_aux_hidden_and_fed_back_hidden_skips_it():
         model(ids, torch.randn(1, 6, 40))
 
 
-def reference_ttt(model, ids_per_step, aux):
+def reference_ttt(model, ids_per_step, aux, segment_ids=None):
     """Independent TTT: every step attends over [step-0 keys, keys of steps 1..j] through an
-    explicit dense mask (causal block + one diagonal per draft step), computed naively."""
+    explicit dense mask (causal block within a segment + one diagonal per draft step), computed
+    naively; step j rotates its queries and keys at position t + j."""
     cfg = model.config
     layer = model.midlayer
     attn = layer.self_attn
     T = aux.shape[1]
-    pos = torch.arange(T)[None]
-    cos, sin = drafter.rotary_cos_sin(pos, cfg.head_dim, cfg.rope_theta, aux.dtype)
+    segment_ids = torch.zeros(1, T, dtype=torch.long) if segment_ids is None else segment_ids
+    starts = [0] + [t for t in range(1, T) if segment_ids[0, t] != segment_ids[0, t - 1]]
+    pos = torch.tensor([t - max(s for s in starts if s <= t) for t in range(T)])[None]
     hidden = model.fc(aux)
     keys, values, outputs = [], [], []
     for j, ids in enumerate(ids_per_step):
+        cos, sin = drafter.rotary_cos_sin(pos + j, cfg.head_dim, cfg.rope_theta, aux.dtype)
         residual = hidden
         x = torch.cat([layer.input_layernorm(model.embed_tokens(ids)), layer.hidden_norm(hidden)], -1)
         q = attn.q_proj(x).view(1, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
@@ -101,7 +104,8 @@ def reference_ttt(model, ids_per_step, aux):
         values.append(v.repeat_interleave(2, 1))
         mask = torch.zeros(T, T * (j + 1), dtype=torch.bool)
         for t in range(T):
-            mask[t, : t + 1] = True  # verified context, causal
+            for s in range(t + 1):
+                mask[t, s] = bool(segment_ids[0, s] == segment_ids[0, t])  # verified context, causal
             for i in range(1, j + 1):
                 mask[t, i * T + t] = True  # own drafted ancestors
         scores = q @ torch.cat(keys, 2).transpose(-1, -2) / cfg.head_dim**0.5
@@ -113,37 +117,78 @@ def reference_ttt(model, ids_per_step, aux):
     return outputs
 
 
-def test_ttt_steps_follow_the_eagle3_mask():
-    model = tiny_drafter()
-    T = 7
-    aux = torch.randn(1, T, 96)
-    ids_per_step = [torch.randint(0, 50, (1, T)) for _ in range(4)]
-    expected = reference_ttt(model, ids_per_step, aux)
-    cache = drafter.TTTCache()
-    hidden = aux
+def run_ttt(model, ids_per_step, aux, segment_ids, positions, backend):
+    cache, hidden, outputs = drafter.TTTCache(backend), aux, []
     for j, ids in enumerate(ids_per_step):
-        logits, hidden = model(ids, hidden, cache=cache)
+        logits, hidden = model(ids, hidden, positions + j, cache, segment_ids)
+        outputs.append(logits)
+    return outputs, cache
+
+
+def packed_case(seed=0, lengths=(5, 3, 6)):
+    generator = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    aux = torch.randn(1, T, 96, generator=generator)
+    ids_per_step = [torch.randint(0, 50, (1, T), generator=generator) for _ in range(4)]
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return aux, ids_per_step, segments, positions
+
+
+def test_ttt_steps_follow_the_eagle3_mask_and_positions():
+    model = tiny_drafter()
+    aux, ids_per_step, segments, positions = packed_case()
+    expected = reference_ttt(model, ids_per_step, aux, segments)
+    outputs, cache = run_ttt(model, ids_per_step, aux, segments, positions, "dense")
+    for j, logits in enumerate(outputs):
         torch.testing.assert_close(logits, expected[j], rtol=1e-4, atol=1e-5, msg=f"TTT step {j}")
     assert cache.steps == 4
 
 
+def test_ttt_gradients_equal_the_dense_mask_reference():
+    """The merge of the context part (through its log-sum-exp) with the diagonal keys is exact
+    in the backward pass too: every weight's gradient equals the naive dense-mask one."""
+    aux, ids_per_step, segments, positions = packed_case(seed=1)
+    weights = torch.randn(len(ids_per_step), 14, 20, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for use_reference in (True, False):
+        model = tiny_drafter(seed=4)
+        aux_leaf = aux.clone().requires_grad_(True)
+        if use_reference:
+            outputs = reference_ttt(model, ids_per_step, aux_leaf, segments)
+        else:
+            outputs, _ = run_ttt(model, ids_per_step, aux_leaf, segments, positions, "dense")
+        sum((w * out[0]).sum() for w, out in zip(weights, outputs)).backward()
+        grads.append({"aux": aux_leaf.grad, **{n: p.grad for n, p in model.named_parameters() if p.requires_grad}})
+    reference, ours = grads
+    for name in reference:
+        torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_flex_and_dense_context_attention_agree():
+    """The GPU path (FlexAttention block mask + log-sum-exp) against the dense one. The CPU
+    flex kernel runs forward only, so this checks the mask and the merge; the gradients of the
+    compiled GPU kernel are checked by benchmarks/train_throughput.py --check on the GPU."""
+    model = tiny_drafter(seed=5)
+    aux, ids_per_step, segments, positions = packed_case(seed=3, lengths=(70, 9, 49))
+    with torch.no_grad():
+        dense, _ = run_ttt(model, ids_per_step, aux, segments, positions, "dense")
+        flex, cache = run_ttt(model, ids_per_step, aux, segments, positions, "flex")
+    assert cache.backend == "flex"
+    for j in range(len(ids_per_step)):
+        torch.testing.assert_close(flex[j], dense[j], rtol=1e-4, atol=1e-5, msg=f"TTT step {j}")
+
+
 def test_packed_samples_never_attend_across_samples():
     model = tiny_drafter()
-    lengths = [5, 3, 6]
-    aux = torch.randn(1, sum(lengths), 96)
-    ids = [torch.randint(0, 50, (1, sum(lengths))) for _ in range(3)]
-    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    packed_cache, hidden, packed = drafter.TTTCache(), aux, []
-    for step_ids in ids:
-        logits, hidden = model(step_ids, hidden, positions, packed_cache, segments)
-        packed.append(logits)
+    aux, ids, segments, positions = packed_case(seed=6)
+    packed, _ = run_ttt(model, ids, aux, segments, positions, "dense")
     at = 0
-    for n in lengths:
-        cache, hidden = drafter.TTTCache(), aux[:, at : at + n]
-        for j, step_ids in enumerate(ids):
-            logits, hidden = model(step_ids[:, at : at + n], hidden, cache=cache)
-            torch.testing.assert_close(logits, packed[j][:, at : at + n], rtol=1e-4, atol=1e-5)
+    for n in (5, 3, 6):
+        alone, _ = run_ttt(model, [i[:, at : at + n] for i in ids], aux[:, at : at + n], None,
+                           torch.arange(n)[None], "dense")
+        for j in range(len(ids)):
+            torch.testing.assert_close(alone[j], packed[j][:, at : at + n], rtol=1e-4, atol=1e-5)
         at += n
 
 
@@ -182,11 +227,14 @@ def test_draft_vocab_that_does_not_fit_the_config_is_refused():
 
 
 def test_sdpa_and_explicit_attention_agree_for_step_zero():
-    # Step 0 goes through scaled_dot_product_attention; check it against plain softmax.
+    # A pass without a TTT cache goes through scaled_dot_product_attention; check it against plain softmax.
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     mask = drafter.causal_segment_mask(torch.tensor([[0, 0, 0, 1, 1]]))
     expected = ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).softmax(-1) @ v
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), expected)
+    out, lse = drafter.dense_context_attention(q, k, v, mask, group=1)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(lse, ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).logsumexp(-1))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
