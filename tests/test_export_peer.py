@@ -6,8 +6,8 @@ Eagle3DraftModel.from_pretrained loads our export, with the verifier (our tiny t
 from a local directory and the hub switched off, and must produce our draft logits for
 every training-time-test step on the same hidden states and ids.
 
-One convention differs and is applied here on our side: speculators advances the rotary
-positions by one per TTT step, eaglenest keeps step 0's positions (EAGLE-3/SpecForge).
+Our side runs eaglenest's own training unroll (eaglenest.train.TTTObjective.unroll), with no
+adjustment: both rotate TTT step j at position t + j.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest import export
-from eaglenest.drafter import Eagle3Drafter, TTTCache
+from eaglenest import export, train
+from eaglenest.drafter import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parents[1]
 TTT_STEPS = 3
@@ -36,16 +36,20 @@ def peer_python() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def _our_ttt_logits(drafter: Eagle3Drafter, ids, aux, positions, advance_positions: bool) -> list[torch.Tensor]:
-    """Our logits per TTT step, fed the same shifted ids speculators feeds (teacher forcing)."""
-    cache, hidden, out = TTTCache(), aux, []
+def _our_ttt_logits(drafter: Eagle3Drafter, ids, aux) -> list[torch.Tensor]:
+    """Our training unroll's logits per TTT step on the ids speculators reads at step j
+    (ids[t + j], zeros past the end). The unroll reads x_{t+1+j}, so its row is the ids after
+    one leading filler token, with one more (causally invisible) position at the end."""
+    length = ids.shape[1]
+    batch = {
+        "input_ids": torch.cat([ids.new_zeros(1, 1), ids], dim=1),
+        "aux_hidden": torch.cat([aux, aux.new_zeros(1, 1, aux.shape[-1])], dim=1),
+        "segment_ids": torch.zeros(1, length + 1, dtype=torch.long),
+        "position_ids": torch.arange(length + 1)[None],
+    }
+    objective = train.TTTObjective(drafter, ttt_length=TTT_STEPS)
     with torch.no_grad():
-        for step in range(TTT_STEPS):
-            step_ids = torch.cat([ids[:, step:], ids.new_zeros(1, step)], dim=1)
-            step_positions = positions + step if advance_positions else positions
-            logits, hidden = drafter(step_ids, hidden, position_ids=step_positions, cache=cache)
-            out.append(logits)
-    return out
+        return [drafter.compute_logits(normed[:, :length]) for _, normed in objective.unroll(batch)]
 
 
 @pytest.mark.parametrize("include_embed_tokens", [False, True], ids=["lean-export", "export-with-embedding"])
@@ -78,11 +82,7 @@ def test_speculators_loads_our_vllm_export_and_drafts_the_same_logits(
 
     assert torch.equal(peer["embed_tokens"], drafter.embed_tokens.weight)
     assert torch.equal(peer["d2t"], drafter.d2t) and torch.equal(peer["t2d"], drafter.t2d)
-    ours = _our_ttt_logits(drafter, inputs["input_ids"], inputs["aux_hidden"], inputs["position_ids"], True)
+    ours = _our_ttt_logits(drafter, inputs["input_ids"], inputs["aux_hidden"])
     for step in range(TTT_STEPS):
         torch.testing.assert_close(peer[f"logits_{step}"], ours[step], rtol=0, atol=1e-4,
                                    msg=lambda m, step=step: f"TTT step {step}: {m}")
-    # The position convention matters past step 0: without the shift the logits part ways.
-    unshifted = _our_ttt_logits(drafter, inputs["input_ids"], inputs["aux_hidden"], inputs["position_ids"], False)
-    assert torch.equal(unshifted[0], ours[0])
-    assert (unshifted[1] - peer["logits_1"]).abs().max() > 1e-2
