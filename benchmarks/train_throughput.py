@@ -11,7 +11,16 @@ no gradient, fc no input gradient): fc once, then per TTT step the q/k/v/o proje
 diagonal keys, and lm_head over the draft vocab at the positions that count. The target's
 lm_head pass (soft labels and the in-draft-vocab test) is overhead and not counted.
 
-    python benchmarks/train_throughput.py --shape smollm2 --shape kimi --out benchmarks/x.json
+With ``--ceiling`` each shape also runs the plain eager step it is measured against: the same
+drafter weights unrolled ``ttt_length`` times over the same tokens with ordinary causal
+attention (``scaled_dot_product_attention(is_causal=True)``, no TTT mask, no packing), a hard
+cross-entropy over every position, no target head, fused AdamW. It does the same counted FLOPs
+with the least a PyTorch step can do besides them; the table prints the ratio.
+
+``--check`` (GPU) first compares the FlexAttention and dense TTT paths on one random batch in
+float32: logits of every step and every weight's gradient.
+
+    python benchmarks/train_throughput.py --shape smollm2 --shape kimi --ceiling --out benchmarks/results/x.json
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -143,6 +153,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
         "ttt_length": args.ttt_length, "epochs": 1, "token_budget": args.token_budget, "rows_per_step": args.rows,
         "lr": 1e-4, "warmup_steps": 1, "drafter": shape["drafter"], "device": str(device), "threads": args.threads,
         "log_every": 1, "checkpoint_every": 10**9, "init_head_from_target": True,
+        **({"compile": True} if args.compile else {}), **({"attention": args.attention} if args.attention else {}),
     }
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -174,6 +185,127 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     return result
 
 
+def drafter_config(shape: dict) -> drafter.DrafterConfig:
+    target = shape["target"]
+    values = dict(
+        hidden_size=target["hidden_size"], num_attention_heads=target["num_attention_heads"],
+        num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
+        intermediate_size=target["intermediate_size"], vocab_size=target["vocab_size"],
+        draft_vocab_size=shape["draft_vocab"], target_hidden_size=target["hidden_size"],
+        aux_layer_ids=shape["layer_ids"], rms_norm_eps=target["rms_norm_eps"],
+    )
+    values.update(shape["drafter"])
+    return drafter.DrafterConfig(**values)
+
+
+def plain_layer(model: drafter.Eagle3Drafter, ids, hidden, positions):
+    """The drafter's layer with ordinary causal attention (flash kernel, no TTT mask)."""
+    layer, attn = model.midlayer, model.midlayer.self_attn
+    batch, length = ids.shape
+    residual = hidden
+    x = torch.cat([layer.input_layernorm(model.embed_tokens(ids).to(hidden.dtype)), layer.hidden_norm(hidden)], -1)
+    q = attn.q_proj(x).view(batch, length, attn.heads, attn.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(batch, length, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(batch, length, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = drafter.rotary_cos_sin(positions, attn.head_dim, attn.rope_theta, q.dtype)
+    q, k = drafter.apply_rotary(q, cos, sin), drafter.apply_rotary(k, cos, sin)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.heads != attn.kv_heads)
+    residual = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+    out = residual + layer.mlp(layer.post_attention_layernorm(residual))
+    return model.norm(out), out
+
+
+def bench_ceiling(name: str, args, device: torch.device) -> dict:
+    """The plain eager step of the same shape and tokens (see the module docstring)."""
+    shape = SHAPES[name]
+    config = drafter_config(shape)
+    torch.manual_seed(0)
+    model = drafter.Eagle3Drafter(config).to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    rows, length = args.rows, args.token_budget
+    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    aux = torch.randn(rows, length, 3 * config.target_hidden_size, device=device, dtype=hidden_dtype)
+    ids = torch.randint(0, config.vocab_size, (rows, length), device=device)
+    labels = torch.randint(0, config.draft_vocab_size, (rows * length,), device=device)
+    positions = torch.arange(length, device=device).expand(rows, length)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step():
+        with autocast:
+            hidden = model.fc(aux)
+            loss = 0.0
+            for j in range(args.ttt_length):
+                normed, hidden = plain_layer(model, ids, hidden, positions + j)
+                loss = loss + F.cross_entropy(model.lm_head(normed).flatten(0, 1), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.warmup):
+        step()
+    timed = max(1, args.steps - args.warmup)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(timed):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    tokens = rows * length * timed
+    record = {"tokens": rows * length, "positions": [rows * length] * args.ttt_length}
+    flops = step_flops(config, record, length) * timed
+    result = {"shape": name, "step": "ceiling (plain eager, causal flash attention, no TTT mask)",
+              "tokens_per_step": rows * length, "steps_timed": timed, "tokens_per_s": tokens / seconds,
+              "model_tflops_per_s": flops / seconds / 1e12, "data_wait_fraction": 0.0}
+    if device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    del model, optimizer
+    return result
+
+
+def check_backends(device: torch.device) -> dict:
+    """FlexAttention (compiled, on the GPU) against the dense path, float32: every step's
+    logits and every gradient, on packed rows of uneven samples."""
+    from eaglenest import train as train_lib
+
+    shape = SHAPES["smollm2"]
+    config = drafter_config(shape)
+    lengths = [700, 129, 1, 1218]
+    length = sum(lengths)
+    generator = torch.Generator().manual_seed(11)
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, (1, length), generator=generator),
+        "aux_hidden": torch.randn(1, length, 3 * config.target_hidden_size, generator=generator),
+        "segment_ids": torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    weights = torch.randn(7, length, config.draft_vocab_size, generator=generator).to(device) * 1e-2
+    runs = {}
+    for backend in ("dense", "flex"):
+        torch.manual_seed(0)
+        model = drafter.Eagle3Drafter(config).to(device)
+        objective = train_lib.TTTObjective(model, 7, attention_backend=backend)
+        logits = [model.compute_logits(normed)[0] for _, normed in objective.unroll(batch)]
+        sum((w * out).sum() for w, out in zip(weights, logits)).backward()
+        runs[backend] = ([out.detach() for out in logits],
+                         {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    (dense_logits, dense_grads), (flex_logits, flex_grads) = runs["dense"], runs["flex"]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    result = {"logits_rel_err": [rel(f, d) for f, d in zip(flex_logits, dense_logits)],
+              "grad_rel_err": {n: rel(flex_grads[n], dense_grads[n]) for n in dense_grads}}
+    result["max_rel_err"] = max(result["logits_rel_err"] + list(result["grad_rel_err"].values()))
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable; default smollm2")
@@ -186,6 +318,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples-per-shard", type=int, default=8)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--ceiling", action="store_true", help="also time the plain eager step of each shape")
+    parser.add_argument("--check", action="store_true", help="first compare the flex and dense TTT paths (GPU)")
+    parser.add_argument("--compile", action="store_true", help="train.compile: torch.compile the drafter layer")
+    parser.add_argument("--attention", choices=["auto", "dense", "flex"], help="train.attention (default auto)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = train.resolve_device(args.device, 0)
@@ -196,25 +332,58 @@ def main(argv=None):
         "matmul_bf16_tflops": (lambda r: r / 1e12 if r else None)(matmul_ceiling(device)),
         "runs": [],
     }
+    results["settings"] = {"rows": args.rows, "token_budget": args.token_budget, "sample_len": args.sample_len,
+                           "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto"}
+
+    def save():
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+    def attempt(name, work):
+        try:
+            results["runs"].append(work())
+        except Exception as exc:  # keep the other shapes' numbers
+            results["runs"].append({"shape": name, "error": f"{type(exc).__name__}: {exc}"})
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if args.check:
+        try:
+            results["backend_check"] = check_backends(device)
+        except Exception as exc:
+            results["backend_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+        save()
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.shape or ["smollm2"]:
-            try:
-                results["runs"].append(bench_shape(name, args, device, Path(workdir)))
-            except Exception as exc:  # keep the other shapes' numbers
-                results["runs"].append({"shape": name, "error": f"{type(exc).__name__}: {exc}"})
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=2) + "\n")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            attempt(name, lambda: bench_shape(name, args, device, Path(workdir)))
+            if args.ceiling:
+                attempt(name, lambda: bench_ceiling(name, args, device))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
     ceiling = results["matmul_bf16_tflops"]
-    print(f"{'shape':8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'wait':>6}")
+    if "backend_check" in results:
+        print("flex vs dense (float32):", json.dumps(results["backend_check"].get("max_rel_err",
+                                                                                results["backend_check"])))
+    print(f"{'shape':8} {'step':9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'wait':>6} {'peak GiB':>8} {'x ceiling':>9}")
+    eaglenest_runs = {}
     for run in results["runs"]:
         if "error" in run:
             print(f"{run['shape']:8} ERROR {run['error']}")
             continue
+        kind = "ceiling" if "ceiling" in run.get("step", "") else "eaglenest"
         mfu = f"{run['model_tflops_per_s'] / ceiling:.1%}" if ceiling else "-"
-        print(f"{run['shape']:8} {run['tokens_per_s']:10.0f} {run['model_tflops_per_s']:8.1f} {mfu:>6} "
-              f"{run['data_wait_fraction']:6.1%}")
+        ratio = ""
+        if kind == "eaglenest":
+            eaglenest_runs[run["shape"]] = run
+        elif run["shape"] in eaglenest_runs:
+            ratio = f"{eaglenest_runs[run['shape']]['tokens_per_s'] / run['tokens_per_s']:.2f}"
+            run["eaglenest_over_ceiling"] = float(ratio)
+        peak = f"{run['peak_memory_gib']:.1f}" if "peak_memory_gib" in run else "-"
+        print(f"{run['shape']:8} {kind:9} {run['tokens_per_s']:10.0f} {run['model_tflops_per_s']:8.1f} {mfu:>6} "
+              f"{run['data_wait_fraction']:6.1%} {peak:>8} {ratio:>9}")
 
 
 if __name__ == "__main__":
