@@ -118,7 +118,7 @@ done
 
 # --- a. install the carried wheels into $SITE once per machine, import-test ------------------
 install_wheels() {
-    bash scripts/sglang_wheels_install.sh "$SGLANG_WHEELS" "$SITE"
+    bash envs/sglang_wheels_install.sh "$SGLANG_WHEELS" "$SITE"
 }
 run_step install install_wheels
 run_step environment bash -c "nvidia-smi; nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv; nproc; uptime;

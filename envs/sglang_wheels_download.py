@@ -1,6 +1,6 @@
 """Download the pinned SGLang wheels and pack them for a GPU node without a package index.
 
-    python scripts/sglang_wheels_download.py --out .sglang-wheels [--without ipython jedi ...]
+    python envs/sglang_wheels_download.py --out .sglang-wheels [--without ipython jedi ...]
 
 On a machine that reaches a package index: fetches every wheel of the pinned list
 (envs/sglang-0.5.14-wheels.txt: file name + sha256, CPython 3.12, x86-64 manylinux) with
@@ -9,7 +9,7 @@ members (sglang-kernel's FA3, FlashMLA and sm100 kernels: 1.8 GB the server neve
 together with their RECORD lines, re-zips every wheel without compression (xz then finds
 the redundancy that deflate hid: 184 MB of wheels pack into about 45 MB) and packs them into
 ``sglang-<version>-wheels-<i>.tar.xz`` archives, each under ``--max-archive-mib``, plus a
-``manifest.json`` (wheels, sizes, archive checksums). scripts/sglang_wheels_install.sh
+``manifest.json`` (wheels, sizes, archive checksums). envs/sglang_wheels_install.sh
 installs them on the node. ``--without DIST`` leaves out whole distributions a run does
 not load. Deterministic: same list, same archives, byte for byte.
 """
@@ -29,8 +29,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_LIST = REPO_ROOT / "envs" / "sglang-0.5.14-wheels.txt"
+DEFAULT_LIST = Path(__file__).resolve().parent / "sglang-0.5.14-wheels.txt"
 PLATFORM_ARGS = [
     "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
     "--abi", "cp312", "--abi", "abi3", "--abi", "none",

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install the packed SGLang wheels on a node without a package index, then import-test.
 #
-#   bash scripts/sglang_wheels_install.sh [ARCHIVE_DIR (.sglang-wheels)] [TARGET (/tmp/site)]
+#   bash envs/sglang_wheels_install.sh [ARCHIVE_DIR (.sglang-wheels)] [TARGET (/tmp/site)]
 #
-# ARCHIVE_DIR holds what scripts/sglang_wheels_download.py wrote (sglang-*-wheels-*.tar.xz,
+# ARCHIVE_DIR holds what envs/sglang_wheels_download.py wrote (sglang-*-wheels-*.tar.xz,
 # manifest.json). Installs with `pip install --no-index --no-deps --target TARGET`, so
 # nothing of the node's own Python changes: the server runs with PYTHONPATH=TARGET on top of
 # the node's torch. Idempotent: an archive whose wheels are installed is skipped (stamps in
