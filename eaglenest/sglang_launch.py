@@ -2,7 +2,8 @@
 
     python -m eaglenest.sglang_launch --configfile config/kimi-k2.5.yaml
 
-Runs ``python -m sglang.launch_server`` (sglang==0.5.23, envs/sglang.yaml) with:
+Runs ``python -m sglang.launch_server`` (sglang==0.5.23, envs/sglang.yaml; 0.5.14 also
+works, with ``--enable-return-hidden-states`` in place of the three EAGLE3 capture flags) with:
 
 * ``--tp-size`` = ``target.tensor_parallel``;
 * ``--disable-radix-cache``: with prefix caching, a prompt sharing a prefix with an
@@ -93,9 +94,22 @@ def capture_settings(config: dict) -> dict:
     }
 
 
-def launch_command(config: dict, capture: dict, python: str = sys.executable, url: str | None = None) -> list[str]:
+def launch_command(
+    config: dict, capture: dict, python: str = sys.executable, url: str | None = None,
+    sglang_version: str = sglang_patch.SGLANG_VERSION,
+) -> list[str]:
     settings = sglang_settings(config)
     address = urllib.parse.urlsplit(url or settings["url"])
+    if sglang_version == "0.5.14":
+        # No draft-less aux capture there: the patch sets the capture layers itself
+        # (EAGLENEST_CAPTURE), and return_hidden_states needs the server-wide switch.
+        capture_flags = ["--enable-return-hidden-states"]
+    else:
+        capture_flags = [
+            "--enable-return-aux-hidden-states",
+            "--speculative-algorithm", "EAGLE3",
+            "--return-aux-hidden-state-layer-ids", *map(str, capture["sglang_layer_ids"]),
+        ]
     return [
         python, "-m", "sglang.launch_server",
         "--model-path", str(config["target"]["path"]),
@@ -105,9 +119,7 @@ def launch_command(config: dict, capture: dict, python: str = sys.executable, ur
         "--tp-size", str(capture["tensor_parallel"]),
         "--disable-radix-cache",
         "--chunked-prefill-size", "-1",
-        "--enable-return-aux-hidden-states",
-        "--speculative-algorithm", "EAGLE3",
-        "--return-aux-hidden-state-layer-ids", *map(str, capture["sglang_layer_ids"]),
+        *capture_flags,
         *map(str, settings["extra_args"]),
     ]
 
@@ -392,7 +404,8 @@ def main(argv=None) -> int:
         if settings["standin"]:
             command = standin_command(capture, url)
         else:
-            command = launch_command(config, capture, url=url)
+            # The flags depend on the sglang of this env; without one, the pinned version's.
+            command = launch_command(config, capture, url=url, sglang_version=installed_sglang_version() or sglang_patch.SGLANG_VERSION)
         if options.print_command:
             print(" ".join(command))
             print(f"{sglang_patch.SETTINGS_ENV}={json.dumps(capture)}")
@@ -408,18 +421,24 @@ def main(argv=None) -> int:
     return serve(config, state_dir, command=command, url=url, service_file=options.service_file, gpus=gpus)
 
 
-def check_sglang_version() -> None:
+def installed_sglang_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        installed = version("sglang")
+        return version("sglang")
     except PackageNotFoundError:
-        installed = None
-    if installed != sglang_patch.SGLANG_VERSION:
+        return None
+
+
+def check_sglang_version() -> str:
+    installed = installed_sglang_version()
+    if installed not in sglang_patch.SUPPORTED_SGLANG_VERSIONS:
         raise SystemExit(
-            f"sglang {installed or 'is not installed'} in {sys.executable}; the patch needs "
-            f"sglang=={sglang_patch.SGLANG_VERSION}: create the env from envs/sglang.yaml and run this there"
+            f"sglang {installed or 'is not installed'} in {sys.executable}; the patch needs sglang "
+            f"{' or '.join(sglang_patch.SUPPORTED_SGLANG_VERSIONS)} (production: {sglang_patch.SGLANG_VERSION}): "
+            "create the env from envs/sglang.yaml and run this there"
         )
+    return installed
 
 
 if __name__ == "__main__":

@@ -25,9 +25,18 @@ So the patch changes three methods and adds one route, nothing in any model:
 4. ``GET /eaglenest/info`` on the HTTP app: identifies the patched server, the patch
    version, the target and its layers, so a client never talks to the wrong server.
 
+sglang 0.5.14 (the release that runs on torch 2.11, e.g. on the H200 test image) has
+neither the draft-less aux capture nor ``last_hidden_states``; there the patch does the
+same with other hooks (``PATCH_TARGETS["0.5.14"]``): ``ModelRunner.init_aux_hidden_state_capture``
+also sets the target's capture layers (no draft needed), ``LogitsProcessor._get_hidden_states_to_store``
+appends the final post-norm state to the packed aux states under full capture (rows
+``[n, (A+1)*H]``), and the replaced ``_append_prefill_hidden_states`` splits them again.
+0.5.14 slices ``customized_info`` per output token, which our one-element list survives
+for a one-token (prefill-only) request, so it needs no request-level key.
+
 It is loaded as an SGLang general plugin (entry-point group ``sglang.srt.plugins``,
-which sglang 0.5.23 loads at the start of the HTTP process and of every scheduler
-process). eaglenest.sglang_launch registers that entry point for the server it starts
+which sglang 0.5.14 and 0.5.23 load at the start of the HTTP process and of every
+scheduler process). eaglenest.sglang_launch registers that entry point for the server it starts
 and passes the settings in ``EAGLENEST_CAPTURE`` (JSON); without that variable the
 plugin does nothing, so other SGLang servers on the node are unaffected.
 """
@@ -41,7 +50,9 @@ import re
 from pathlib import Path
 from typing import Callable
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = "0.5.23"  # production pin (envs/sglang.yaml)
+# Every version the patch has hooks for; the tests check each against its source.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23", "0.5.14")
 PATCH_VERSION = 1
 SERVER_KIND = "eaglenest-sglang-capture"
 SETTINGS_ENV = "EAGLENEST_CAPTURE"
@@ -51,23 +62,28 @@ PLUGIN_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "eaglenest_capture"
 DEFAULT_SPOOL_DIR = "/dev/shm/eaglenest_hs"
 
-# Everything in sglang the patch touches: (module, attribute path). The tests check each
-# against the pinned source; apply() fails loudly if one is missing at run time.
-PATCH_TARGETS = {
-    "append_prefill": (
-        "sglang.srt.managers.scheduler_components.batch_result_processor",
-        "SchedulerBatchResultProcessor._append_prefill_hidden_states",
-    ),
-    "request_level_key": (
-        "sglang.srt.managers.scheduler_components.output_streamer",
-        "SchedulerOutputStreamer.is_request_level_customized_info_key",
-    ),
-    "configure_capture": (
-        "sglang.srt.model_executor.model_runner",
-        "configure_aux_hidden_state_capture",
-    ),
+# Everything in sglang the patch touches, per version: (module, attribute path). The tests
+# check each against that version's source; apply() fails loudly if one is missing at run time.
+_BATCH_RESULT = "sglang.srt.managers.scheduler_components.batch_result_processor"
+_SHARED_TARGETS = {
+    "append_prefill": (_BATCH_RESULT, "SchedulerBatchResultProcessor._append_prefill_hidden_states"),
     "http_app": ("sglang.srt.entrypoints.http_server", "app"),
     "parallel": ("sglang.srt.runtime_context", "get_parallel"),
+}
+PATCH_TARGETS = {
+    "0.5.23": {
+        **_SHARED_TARGETS,
+        "request_level_key": (
+            "sglang.srt.managers.scheduler_components.output_streamer",
+            "SchedulerOutputStreamer.is_request_level_customized_info_key",
+        ),
+        "configure_capture": ("sglang.srt.model_executor.model_runner", "configure_aux_hidden_state_capture"),
+    },
+    "0.5.14": {
+        **_SHARED_TARGETS,
+        "init_capture": ("sglang.srt.model_executor.model_runner", "ModelRunner.init_aux_hidden_state_capture"),
+        "hidden_states_to_store": ("sglang.srt.layers.logits_processor", "LogitsProcessor._get_hidden_states_to_store"),
+    },
 }
 
 log = logging.getLogger(__name__)
@@ -215,14 +231,11 @@ def make_append_prefill_hidden_states(original: Callable, settings: dict, is_out
         # Every TP rank runs this; only the rank whose output reaches the client writes.
         if store and is_output_rank():
             last = logits_output.last_hidden_states
-            descriptor = spool_prefill_rows(
-                spool_dir, req.rid, req.origin_input_ids,
+            _spool_descriptor(
+                req, spool_dir,
                 logits_output.hidden_states[start:end] if logits_output.hidden_states is not None else None,
                 last[start:end] if last is not None else None,
             )
-            if req.customized_info is None:
-                req.customized_info = {}
-            req.customized_info[SPOOL_KEY] = [descriptor]
         return end
 
     _append_prefill_hidden_states.eaglenest_patch_version = PATCH_VERSION
@@ -246,10 +259,80 @@ def make_configure_capture(original: Callable, settings: dict):
     return configure_aux_hidden_state_capture
 
 
+def _spool_descriptor(req, spool_dir, aux_rows, last_rows) -> None:
+    descriptor = spool_prefill_rows(spool_dir, req.rid, req.origin_input_ids, aux_rows, last_rows)
+    if req.customized_info is None:
+        req.customized_info = {}
+    req.customized_info[SPOOL_KEY] = [descriptor]
+
+
+def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, is_output_rank: Callable[[], bool]):
+    """sglang 0.5.14's SchedulerBatchResultProcessor._append_prefill_hidden_states (same signature).
+
+    Its rows are ``[aux..., last]`` packed by make_hidden_states_to_store_0514, one per
+    prompt token; 0.5.14 itself advances the offset by the prompt length."""
+    spool_dir, hidden = settings["spool_dir"], settings["hidden_size"]
+
+    def _append_prefill_hidden_states(self, *, req, logits_output, hidden_state_offset):
+        if req.return_hidden_states is not True:
+            return original(self, req=req, logits_output=logits_output, hidden_state_offset=hidden_state_offset)
+        end = hidden_state_offset + len(req.origin_input_ids)
+        if is_output_rank():
+            # A prefix-cache hit or a chunk computes fewer rows than the prompt has: pass
+            # what was computed so that the descriptor says so instead of reading past it.
+            rows = logits_output.hidden_states[hidden_state_offset : hidden_state_offset + req.extend_input_len]
+            if rows.shape[-1] > hidden:
+                _spool_descriptor(req, spool_dir, rows[:, :-hidden], rows[:, -hidden:])
+            else:  # no aux layers captured
+                _spool_descriptor(req, spool_dir, None, rows)
+        return end
+
+    _append_prefill_hidden_states.eaglenest_patch_version = PATCH_VERSION
+    return _append_prefill_hidden_states
+
+
+def make_hidden_states_to_store_0514(original: Callable):
+    """sglang 0.5.14's LogitsProcessor._get_hidden_states_to_store, keeping the final state too.
+
+    Under full capture with aux layers 0.5.14 stores only the packed aux states; this
+    appends the final post-norm hidden state as the last H columns."""
+
+    def _get_hidden_states_to_store(
+        self, hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states,
+        pruned_states_before_norm, aux_pruned_states, sample_indices, logits_metadata,
+    ):
+        stored = original(
+            self, hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states,
+            pruned_states_before_norm, aux_pruned_states, sample_indices, logits_metadata,
+        )
+        mode = logits_metadata.capture_hidden_mode
+        if mode.need_capture() and mode.is_full() and aux_hidden_states is not None and hidden_states_before_norm is None:
+            import torch
+
+            return torch.cat([stored, hidden_states], dim=-1)
+        return stored
+
+    return _get_hidden_states_to_store
+
+
+def make_init_capture_0514(original: Callable, settings: dict):
+    """sglang 0.5.14's ModelRunner.init_aux_hidden_state_capture, capturing without a draft."""
+
+    def init_aux_hidden_state_capture(self):
+        original(self)
+        if self.is_draft_worker:
+            return
+        self.model.set_eagle3_layers_to_capture(list(settings["sglang_layer_ids"]))
+        check_captured_layers(self.model, settings["layer_ids"])
+        log.info("eaglenest capture: %s captures HF layers %s", type(self.model).__name__, settings["layer_ids"])
+
+    return init_aux_hidden_state_capture
+
+
 # ---------------------------------------------------------------- install into sglang
 
 
-def _resolve(module_name: str, attr_path: str):
+def _resolve(module_name: str, attr_path: str, sglang_version: str):
     import importlib
 
     owner = importlib.import_module(module_name)
@@ -257,8 +340,13 @@ def _resolve(module_name: str, attr_path: str):
     for parent in parents:
         owner = getattr(owner, parent)
     if not hasattr(owner, name):
-        raise CaptureError(f"sglang has no {module_name}.{attr_path}; the patch is written for sglang {SGLANG_VERSION}")
+        raise CaptureError(f"sglang {sglang_version} has no {module_name}.{attr_path}")
     return owner, name
+
+
+def _replace(targets: dict, key: str, sglang_version: str, make: Callable) -> None:
+    owner, name = _resolve(*targets[key], sglang_version)
+    setattr(owner, name, make(getattr(owner, name)))
 
 
 def apply(settings: dict, in_http_process: bool) -> None:
@@ -266,28 +354,31 @@ def apply(settings: dict, in_http_process: bool) -> None:
     from importlib.metadata import version
 
     installed = version("sglang")
-    if installed != SGLANG_VERSION:
-        raise CaptureError(f"sglang {installed} is installed; the eaglenest patch is written for {SGLANG_VERSION}")
+    if installed not in PATCH_TARGETS:
+        raise CaptureError(f"sglang {installed} is installed; the eaglenest patch is written for {', '.join(SUPPORTED_SGLANG_VERSIONS)}")
+    targets = PATCH_TARGETS[installed]
     if in_http_process:
-        owner, name = _resolve(*PATCH_TARGETS["http_app"])
+        owner, name = _resolve(*targets["http_app"], installed)
         info = server_info(settings, installed)
         getattr(owner, name).add_api_route(INFO_ROUTE, lambda: info, methods=["GET"])
         log.info("eaglenest capture: %s added (patch %s)", INFO_ROUTE, PATCH_VERSION)
         return
-    owner, name = _resolve(*PATCH_TARGETS["parallel"])
+    owner, name = _resolve(*targets["parallel"], installed)
     get_parallel = getattr(owner, name)
 
     def is_output_rank() -> bool:
         parallel = get_parallel()
         return parallel.pp_rank == 0 and parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
 
-    owner, name = _resolve(*PATCH_TARGETS["append_prefill"])
-    setattr(owner, name, make_append_prefill_hidden_states(getattr(owner, name), settings, is_output_rank))
-    owner, name = _resolve(*PATCH_TARGETS["request_level_key"])
-    setattr(owner, name, make_is_request_level_key(getattr(owner, name)))
-    owner, name = _resolve(*PATCH_TARGETS["configure_capture"])
-    setattr(owner, name, make_configure_capture(getattr(owner, name), settings))
-    log.info("eaglenest capture: scheduler patched, spooling to %s", settings["spool_dir"])
+    if installed == "0.5.14":
+        _replace(targets, "append_prefill", installed, lambda f: make_append_prefill_hidden_states_0514(f, settings, is_output_rank))
+        _replace(targets, "hidden_states_to_store", installed, make_hidden_states_to_store_0514)
+        _replace(targets, "init_capture", installed, lambda f: make_init_capture_0514(f, settings))
+    else:
+        _replace(targets, "append_prefill", installed, lambda f: make_append_prefill_hidden_states(f, settings, is_output_rank))
+        _replace(targets, "request_level_key", installed, make_is_request_level_key)
+        _replace(targets, "configure_capture", installed, lambda f: make_configure_capture(f, settings))
+    log.info("eaglenest capture: scheduler of sglang %s patched, spooling to %s", installed, settings["spool_dir"])
 
 
 def register() -> None:

@@ -29,23 +29,44 @@ from eaglenest import layer_ids, sglang_launch, sglang_patch
 CACHE = Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "wheels"
 
 
-@pytest.fixture(scope="session")
-def sglang_src(tmp_path_factory) -> Path:
-    """The pinned sglang package source (wheel downloaded once, cached)."""
-    pattern = f"sglang-{sglang_patch.SGLANG_VERSION}-*.whl"
+@functools.lru_cache(maxsize=None)
+def _sglang_source(version: str, root: Path) -> Path:
+    """The package source of sglang ``version`` (wheel downloaded once, cached)."""
+    pattern = f"sglang-{version}-*.whl"
     wheels = sorted(CACHE.glob(pattern))
     if not wheels:
         CACHE.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(CACHE),
-             f"sglang=={sglang_patch.SGLANG_VERSION}"],
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(CACHE), f"sglang=={version}"],
             check=True,
         )
         wheels = sorted(CACHE.glob(pattern))
-    root = tmp_path_factory.mktemp("sglang-src")
+    root = root / version
     with zipfile.ZipFile(wheels[0]) as archive:
         archive.extractall(root, [name for name in archive.namelist() if name.startswith("sglang/") and name.endswith(".py")])
     return root / "sglang"
+
+
+@pytest.fixture(scope="session")
+def sglang_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sglang-src")
+
+
+@pytest.fixture(scope="session")
+def sglang_src(sglang_root) -> Path:
+    """The pinned (production) sglang source."""
+    return _sglang_source(sglang_patch.SGLANG_VERSION, sglang_root)
+
+
+@pytest.fixture(scope="session")
+def sglang_0514_src(sglang_root) -> Path:
+    """sglang 0.5.14, the release that runs on the H200 image's torch 2.11."""
+    return _sglang_source("0.5.14", sglang_root)
+
+
+@pytest.fixture(scope="session", params=sglang_patch.SUPPORTED_SGLANG_VERSIONS)
+def any_sglang_src(request, sglang_root) -> Path:
+    return _sglang_source(request.param, sglang_root)
 
 
 def module_file(src: Path, module: str) -> Path:
@@ -68,9 +89,14 @@ def find_node(tree: ast.Module, attr_path: str):
     raise LookupError(attr_path)
 
 
+@functools.lru_cache(maxsize=None)
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def pinned_function(src: Path, module: str, attr_path: str, namespace: dict):
     """Compile one function of the pinned source on its own, with ``namespace`` as globals."""
-    tree = ast.parse(module_file(src, module).read_text())
+    tree = parsed(module_file(src, module))
     node = find_node(tree, attr_path)
     code = compile(ast.Module(body=[node], type_ignores=[]), f"<sglang {module}.{attr_path}>", "exec",
                    flags=__future__.annotations.compiler_flag, dont_inherit=True)
@@ -83,11 +109,18 @@ def pinned_capture_hidden_mode(src: Path):
     return pinned_function(src, "sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode", {"IntEnum": enum.IntEnum, "total_ordering": functools.total_ordering})
 
 
-@pytest.mark.parametrize("key", sorted(sglang_patch.PATCH_TARGETS))
-def test_every_symbol_the_patch_touches_exists_in_pinned_sglang(sglang_src, key):
-    module, attr_path = sglang_patch.PATCH_TARGETS[key]
-    tree = ast.parse(module_file(sglang_src, module).read_text())
+@pytest.mark.parametrize(
+    ("version", "key"), [(v, k) for v, targets in sglang_patch.PATCH_TARGETS.items() for k in sorted(targets)]
+)
+def test_every_symbol_the_patch_touches_exists_in_its_sglang(sglang_root, version, key):
+    module, attr_path = sglang_patch.PATCH_TARGETS[version][key]
+    tree = ast.parse(module_file(_sglang_source(version, sglang_root), module).read_text())
     assert find_node(tree, attr_path) is not None
+
+
+def test_every_supported_version_has_hooks():
+    assert set(sglang_patch.PATCH_TARGETS) == set(sglang_patch.SUPPORTED_SGLANG_VERSIONS)
+    assert sglang_patch.SGLANG_VERSION in sglang_patch.SUPPORTED_SGLANG_VERSIONS
 
 
 def _params(function_node: ast.FunctionDef) -> list[tuple[str, str]]:
@@ -95,13 +128,21 @@ def _params(function_node: ast.FunctionDef) -> list[tuple[str, str]]:
     return [(a.arg, "positional") for a in args.args] + [(a.arg, "keyword") for a in args.kwonlyargs]
 
 
-def test_replacement_keeps_the_pinned_append_prefill_signature(sglang_src):
-    module, attr_path = sglang_patch.PATCH_TARGETS["append_prefill"]
-    pinned = find_node(ast.parse(module_file(sglang_src, module).read_text()), attr_path)
-    ours = next(
-        node for node in ast.walk(ast.parse(Path(sglang_patch.__file__).read_text()))
-        if isinstance(node, ast.FunctionDef) and node.name == attr_path.split(".")[-1]
-    )
+REPLACEMENTS = [
+    ("0.5.23", "append_prefill", "make_append_prefill_hidden_states"),
+    ("0.5.14", "append_prefill", "make_append_prefill_hidden_states_0514"),
+    ("0.5.14", "hidden_states_to_store", "make_hidden_states_to_store_0514"),
+    ("0.5.14", "init_capture", "make_init_capture_0514"),
+]
+
+
+@pytest.mark.parametrize(("version", "key", "factory"), REPLACEMENTS)
+def test_replacement_keeps_the_signature_of_its_sglang(sglang_root, version, key, factory):
+    module, attr_path = sglang_patch.PATCH_TARGETS[version][key]
+    pinned = find_node(ast.parse(module_file(_sglang_source(version, sglang_root), module).read_text()), attr_path)
+    maker = find_node(ast.parse(Path(sglang_patch.__file__).read_text()), factory)
+    ours = next(node for node in maker.body if isinstance(node, ast.FunctionDef))
+    assert ours.name == attr_path.split(".")[-1]
     assert _params(ours) == _params(pinned)
     assert [ast.unparse(d) if d else None for d in ours.args.kw_defaults] == [
         ast.unparse(d) if d else None for d in pinned.args.kw_defaults
@@ -144,7 +185,7 @@ def test_every_launcher_flag_exists_in_pinned_server_args(sglang_src):
         "extract": {"layer_ids": "default", "sglang": {"architecture": "KimiK25ForConditionalGeneration", "extra_args": ["--trust-remote-code"]}},
     }
     capture = sglang_launch.capture_settings(config)
-    command = sglang_launch.launch_command(config, capture, python="python")
+    command = sglang_launch.launch_command(config, capture, python="python", sglang_version="0.5.23")
     fields = "\n".join(p.read_text() for p in (sglang_src / "srt" / "arg_groups" / "fields").glob("*.py"))
     flags = [arg for arg in command if arg.startswith("--")]
     for flag in flags:
@@ -176,16 +217,16 @@ def run_pinned_set_eagle3(src, architecture, ids, num_layers):
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
 @pytest.mark.parametrize("hf_ids", [[2, 30, 58], [3, 7, 9], [2, 15, 27], [5]])
-def test_hf_ids_reach_pinned_sglang_as_the_same_layers(sglang_src, architecture, hf_ids):
+def test_hf_ids_reach_pinned_sglang_as_the_same_layers(any_sglang_src, architecture, hf_ids):
     sglang_ids = layer_ids.hf_to_sglang(hf_ids, architecture)
-    assert run_pinned_set_eagle3(sglang_src, architecture, sglang_ids, num_layers=61) == hf_ids
+    assert run_pinned_set_eagle3(any_sglang_src, architecture, sglang_ids, num_layers=61) == hf_ids
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
 @pytest.mark.parametrize("sglang_ids", [[1, 29, 57], [2, 30, 58], [0, 4], [1]])
-def test_our_mirror_of_the_sglang_convention_matches_pinned_source(sglang_src, architecture, sglang_ids):
+def test_our_mirror_of_the_sglang_convention_matches_pinned_source(any_sglang_src, architecture, sglang_ids):
     assert layer_ids.sglang_captured_layers(sglang_ids, architecture) == run_pinned_set_eagle3(
-        sglang_src, architecture, sglang_ids, num_layers=61
+        any_sglang_src, architecture, sglang_ids, num_layers=61
     )
 
 
@@ -226,7 +267,7 @@ def make_req(rid, ids, mode=True):
 
 def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src, tmp_path):
     mode = pinned_capture_hidden_mode(sglang_src)
-    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
+    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["0.5.23"]["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
     patched = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: True)
     output = make_batch(12)
     first, second = make_req("r-1", [5, 6, 7, 8, 9]), make_req("r-2", list(range(7)))
@@ -247,7 +288,7 @@ def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src
 
 def test_patched_prefill_leaves_last_token_requests_and_other_ranks_alone(sglang_src, tmp_path):
     mode = pinned_capture_hidden_mode(sglang_src)
-    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
+    original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["0.5.23"]["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
     on_rank_1 = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: False)
     output = make_batch(4)
     req = make_req("r-9", [1, 2, 3, 4])
@@ -286,3 +327,107 @@ def test_load_time_check_stops_a_server_capturing_other_layers():
 def test_request_level_key_wrapper_marks_only_our_key():
     wrapped = sglang_patch.make_is_request_level_key(lambda self, key: key == "theirs")
     assert wrapped(None, sglang_patch.SPOOL_KEY) and wrapped(None, "theirs") and not wrapped(None, "other")
+
+
+# ---------------------------------------------------------------- sglang 0.5.14 (the H200 image's torch 2.11)
+
+
+def test_sglang_0514_carries_what_its_hooks_read_and_write(sglang_0514_src):
+    def text(module):
+        return module_file(sglang_0514_src, module).read_text()
+
+    logits = text("sglang.srt.layers.logits_processor")
+    # Full capture with aux layers stores the packed aux states only (no last_hidden_states field).
+    assert "                    aux_hidden_states = torch.cat(aux_hidden_states, dim=-1)\n                    hidden_states_to_store = aux_hidden_states" in logits
+    assert "last_hidden_states" not in logits
+    assert "hidden_states_to_store = self._get_hidden_states_to_store(\n            hidden_states,\n            hidden_states_before_norm," in logits
+    batch = text("sglang.srt.managers.scheduler_components.batch_result_processor")
+    assert "hidden_state_offset = self._append_prefill_hidden_states(" in batch
+    # 0.5.14 slices customized_info per output token: a one-element list survives a one-token request.
+    streamer = text("sglang.srt.managers.scheduler_components.output_streamer")
+    assert "self.customized_info[k].append(v[send_token_offset : len(output_ids_)])" in streamer
+    assert "meta_info[k] = state.customized_info_accumulated[k]" in text("sglang.srt.managers.tokenizer_manager")
+    schedule = text("sglang.srt.managers.schedule_batch")
+    assert "self.customized_info: Optional[Dict[str, List[Any]]] = None" in schedule
+    assert "self.extend_input_len = extend_input_len" in schedule
+    runner = text("sglang.srt.model_executor.model_runner")
+    assert "        self.init_aux_hidden_state_capture()\n" in runner
+    assert "self.is_draft_worker = is_draft_worker" in runner
+    assert "    load_plugins()" in text("sglang.srt.managers.scheduler")
+    launcher = text("sglang.launch_server")
+    assert launcher.index("load_plugins()") < launcher.index("run_server(server_args)\n    finally")
+    plugins = text("sglang.srt.plugins.__init__")
+    assert f'GENERAL_PLUGINS_GROUP = "{sglang_patch.PLUGIN_GROUP}"' in plugins and "entry_points(group=group)" in plugins
+    # The target passes its aux states to the logits processor whenever it captures them.
+    llama = text("sglang.srt.models.llama")
+    assert "        if self.capture_aux_hidden_states:\n            hidden_states, aux_hidden_states = hidden_states" in llama
+
+
+def test_every_launcher_flag_exists_in_sglang_0514_server_args(sglang_0514_src):
+    config = {"run": "smol", "target": {"name": "SmolLM2", "path": "/m", "num_layers": 30, "hidden_size": 576},
+              "extract": {"layer_ids": "default", "sglang": {"architecture": "LlamaForCausalLM"}}}
+    capture = sglang_launch.capture_settings(config)
+    command = sglang_launch.launch_command(config, capture, python="python", sglang_version="0.5.14")
+    server_args = (sglang_0514_src / "srt" / "server_args.py").read_text()
+    for flag in [arg for arg in command if arg.startswith("--")]:
+        assert f"    {flag[2:].replace('-', '_')}: A[" in server_args, flag
+    assert "--speculative-algorithm" not in command  # EAGLE3 would want a draft model there
+    assert "    return_aux_hidden_state_layer_ids: A[" not in server_args
+
+
+def pinned_0514(src, key, namespace=None):
+    return pinned_function(src, *sglang_patch.PATCH_TARGETS["0.5.14"][key], {"Optional": typing.Optional, "List": typing.List,
+                                                                              "Req": object, **(namespace or {})})
+
+
+def test_sglang_0514_hooks_spool_aux_and_final_rows_of_each_request(sglang_0514_src, tmp_path):
+    mode = pinned_capture_hidden_mode(sglang_0514_src)
+    store = sglang_patch.make_hidden_states_to_store_0514(pinned_0514(sglang_0514_src, "hidden_states_to_store", {"torch": torch}))
+    hidden, n = 8, 12
+    torch.manual_seed(0)
+    final = torch.randn(n, hidden, dtype=torch.bfloat16)
+    aux = [torch.randn(n, hidden, dtype=torch.bfloat16) for _ in range(3)]
+    metadata = SimpleNamespace(capture_hidden_mode=mode.FULL)
+    stored = store(None, final, None, aux, final, None, None, None, metadata)
+    assert stored.shape == (n, 4 * hidden)
+    # Without capture, or in "last" mode, 0.5.14's own result comes back unchanged.
+    assert store(None, final, None, aux, final, None, [a[-1:] for a in aux], None, SimpleNamespace(capture_hidden_mode=mode.NULL)) is None
+    append = sglang_patch.make_append_prefill_hidden_states_0514(
+        pinned_0514(sglang_0514_src, "append_prefill"), {"spool_dir": str(tmp_path), "hidden_size": hidden}, lambda: True
+    )
+    output = SimpleNamespace(hidden_states=stored)
+    first, second = make_req("r-1", [5, 6, 7, 8, 9]), make_req("r-2", list(range(7)))
+    first.extend_input_len, second.extend_input_len = 5, 7
+    offset = append(None, req=first, logits_output=output, hidden_state_offset=0)
+    assert append(None, req=second, logits_output=output, hidden_state_offset=offset) == 12
+    for req, rows in ((first, slice(0, 5)), (second, slice(5, 12))):
+        (descriptor,) = req.customized_info[sglang_patch.SPOOL_KEY]
+        spooled = sglang_patch.read_spooled(descriptor["path"])
+        assert torch.equal(spooled["aux_hidden"], torch.cat(aux, dim=-1)[rows])
+        assert torch.equal(spooled["last_hidden"], final[rows])
+        assert spooled["input_ids"].tolist() == list(req.origin_input_ids) and req.hidden_states == []
+    # A prefix-cache hit (fewer computed rows than prompt tokens) is reported, not spooled.
+    short = make_req("r-3", list(range(6)))
+    short.extend_input_len = 4
+    append(None, req=short, logits_output=output, hidden_state_offset=0)
+    assert "radix cache or chunked prefill is on" in short.customized_info[sglang_patch.SPOOL_KEY][0]["error"]
+    # return_hidden_states="last" keeps 0.5.14's own behaviour (float lists).
+    last_req = make_req("r-4", [1, 2, 3], mode="last")
+    last_req.extend_input_len = 3
+    append(None, req=last_req, logits_output=SimpleNamespace(hidden_states=final), hidden_state_offset=0)
+    assert last_req.hidden_states == [final[:3].tolist()] and last_req.customized_info is None
+
+
+def test_sglang_0514_runner_captures_our_layers_without_a_draft(sglang_0514_src):
+    set_eagle3 = pinned_function(sglang_0514_src, "sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture",
+                                 {"Optional": typing.Optional, "List": typing.List})
+    model = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), config=SimpleNamespace(num_hidden_layers=30),
+                            model=SimpleNamespace(layers_to_capture=[]), capture_aux_hidden_states=False)
+    model.set_eagle3_layers_to_capture = lambda ids: set_eagle3(model, ids)
+    settings = {"layer_ids": [2, 15, 27], "sglang_layer_ids": layer_ids.hf_to_sglang([2, 15, 27], "LlamaForCausalLM")}
+    init = sglang_patch.make_init_capture_0514(pinned_0514(sglang_0514_src, "init_capture"), settings)
+    runner = SimpleNamespace(model=model, is_draft_worker=False, eagle_use_aux_hidden_state=False, dflash_use_aux_hidden_state=False)
+    init(runner)
+    assert model.capture_aux_hidden_states and model.model.layers_to_capture == [2, 15, 27]
+    draft = SimpleNamespace(model=SimpleNamespace(), is_draft_worker=True, eagle_use_aux_hidden_state=False, dflash_use_aux_hidden_state=False)
+    init(draft)  # a draft worker keeps sglang's own settings

@@ -1,0 +1,314 @@
+"""The Python steps of benchmarks/sglang_h200.sh: real SGLang 0.5.14 against eaglenest.
+
+Each subcommand writes one JSON part (``--out``); the shell script runs them, records
+failures and merges the parts into results.json (``merge``).
+
+    config     launcher config for the patched server (eaglenest.sglang_launch --configfile)
+    extract    one prepared shard through the server (sglang backend) and through
+               transformers; per-tensor comparison, consolidate-level check, tokens/s
+    refuse     the client must refuse a server at --url (SGLang without the plugin)
+    generate   MT-bench first turns, greedy, through /generate; accept lengths and tokens/s
+    merge      parts -> results.json
+
+Works against eaglenest.standin_server too (same protocol), which is how it is tested
+without a GPU; ``generate`` needs only /generate with input_ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+# bf16 has an 8-bit mantissa: one rounding is a relative error up to 2^-8 ~ 0.4 % per
+# element, and two implementations (SGLang's fused Triton/sgl kernels against torch SDPA
+# and cuBLAS in transformers) reorder the sums in every one of 30 layers, so single
+# elements near zero differ by far more in relative terms. Rows must still point the
+# same way: the minimum cosine per row is the test, max relative difference is reported.
+MIN_ROW_COSINE = 0.99
+MAX_MEAN_RELATIVE = 0.05
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def target_config(target_dir: str) -> dict:
+    return json.loads((Path(target_dir) / "config.json").read_text())
+
+
+def launcher_config(target_dir: str, target_name: str, url: str, spool_dir: str, extra_args: list[str]) -> dict:
+    hf = target_config(target_dir)
+    return {
+        "run": "sglang-h200",
+        "target": {"name": target_name, "path": str(Path(target_dir).resolve()), "num_layers": hf["num_hidden_layers"],
+                   "hidden_size": hf["hidden_size"], "tensor_parallel": 1},
+        "extract": {"layer_ids": "default", "backend": "sglang",
+                    "sglang": {"url": url, "spool_dir": spool_dir, "startup_timeout_s": 600, "extra_args": extra_args}},
+    }
+
+
+def compare_tensors(reference, candidate) -> dict:
+    """Max relative difference and minimum row cosine of two [T, W] tensors (fp32 math)."""
+    import torch
+
+    a, b = reference.float(), candidate.float()
+    diff = (a - b).abs()
+    scale = a.abs().max().clamp_min(1e-12)
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    return {
+        "shape": list(a.shape),
+        "max_abs_diff": float(diff.max()),
+        "max_relative_diff": float(diff.max() / scale),  # relative to the tensor's largest element
+        "mean_relative_diff": float(diff.mean() / a.abs().mean().clamp_min(1e-12)),
+        "min_row_cosine": float(cosine.min()),
+        "rows_below_cosine": int((cosine < MIN_ROW_COSINE).sum()),
+        "worst_row": int(cosine.argmin()),
+    }
+
+
+def shard_comparison(reference_path: str, candidate_path: str, prepared_path: str) -> dict:
+    from eaglenest import shards
+
+    reference, candidate = shards.ShardReader.open(reference_path), shards.ShardReader.open(candidate_path)
+    prepared = shards.ShardReader.open(prepared_path)
+    result = {
+        "samples": len(prepared.sample_ids), "tokens": prepared.num_tokens,
+        "same_samples": reference.sample_ids == candidate.sample_ids == prepared.sample_ids,
+        "same_token_counts": reference.token_counts == candidate.token_counts == prepared.token_counts,
+        "tensors": {},
+    }
+    names = ["input_ids", "loss_mask", "aux_hidden", "last_hidden"]
+    ref, cand = shards.dequantize(reference.tensors(names)), shards.dequantize(candidate.tensors(names))
+    for name in ("input_ids", "loss_mask"):
+        result["tensors"][name] = {"equal": bool((ref[name] == cand[name]).all())}
+    for name in ("aux_hidden", "last_hidden"):
+        result["tensors"][name] = compare_tensors(ref[name], cand[name])
+    hidden = ref["last_hidden"].shape[1]
+    for layer in range(ref["aux_hidden"].shape[1] // hidden):  # each aux layer on its own
+        columns = slice(layer * hidden, (layer + 1) * hidden)
+        result["tensors"][f"aux_hidden[{layer}]"] = compare_tensors(ref["aux_hidden"][:, columns], cand["aux_hidden"][:, columns])
+    result["tolerance"] = {"min_row_cosine": MIN_ROW_COSINE, "max_mean_relative_diff": MAX_MEAN_RELATIVE}
+    hidden_ok = all(
+        t["min_row_cosine"] >= MIN_ROW_COSINE and t["mean_relative_diff"] <= MAX_MEAN_RELATIVE
+        for k, t in result["tensors"].items() if "hidden" in k
+    )
+    ids_ok = all(t["equal"] for k, t in result["tensors"].items() if "hidden" not in k)
+    result["within_tolerance"] = bool(hidden_ok and ids_ok and result["same_samples"] and result["same_token_counts"])
+    return result
+
+
+def consolidate_check(hidden_path: str, prepared_path: str, target_name: str, layer_ids: list[int], dtype: str, vocab_size: int, work: Path) -> dict:
+    """The consolidate stage on this one shard: header, checksums, finite values, prepared agreement."""
+    from eaglenest import consolidate
+
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        report = consolidate.consolidate(
+            [hidden_path], [prepared_path], work / "index.json", work / "draft_vocab.safetensors", work / "split.json",
+            target_vocab_size=vocab_size, draft_vocab_size=min(vocab_size, 32000),
+            expect={"target": target_name, "layer_ids": list(layer_ids), "dtype": dtype},
+        )
+        return {"ok": True, "report": report if isinstance(report, dict) else str(report)}
+    except Exception as err:  # the stage's own message says which check failed
+        return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+
+
+def cmd_config(options) -> int:
+    import yaml
+
+    config = launcher_config(options.target_dir, options.target_name, options.url, options.spool_dir, options.extra_args)
+    Path(options.out).write_text(yaml.safe_dump(config, sort_keys=False))
+    return 0
+
+
+def cmd_extract(options) -> int:
+    from eaglenest import extract, shards, sglang_client
+
+    hf = target_config(options.target_dir)
+    layer_ids = extract.resolve_layer_ids("default", hf["num_hidden_layers"])
+    out = Path(options.work)
+    out.mkdir(parents=True, exist_ok=True)
+    part = {"prepared": options.prepared, "target": options.target_name, "layer_ids": layer_ids, "url": options.url}
+    try:
+        part["sglang"] = sglang_client.extract_shard_via_server(
+            options.prepared, out / "sglang.safetensors", options.url, options.target_name, layer_ids,
+            hf["hidden_size"], hf["num_hidden_layers"], dtype=options.dtype, spool_dir=options.spool_dir,
+            concurrency=options.concurrency, check_disk=False,
+        )
+    except Exception as err:
+        part["sglang_error"] = f"{type(err).__name__}: {err}"
+    if options.skip_transformers:
+        write_json(options.out, part)
+        return 0 if "sglang" in part else 1
+    try:
+        part["transformers"] = extract.extract_shard(
+            options.prepared, out / "transformers.safetensors", options.target_dir, options.target_name, layer_ids,
+            dtype=options.dtype, device=options.device, check_disk=False,
+        )
+    except Exception as err:
+        part["transformers_error"] = f"{type(err).__name__}: {err}"
+    if "sglang" in part:
+        # Every prompt row came back: same samples, same per-sample counts, same ids.
+        part["verify_sglang"] = consolidate_check(
+            str(out / "sglang.safetensors"), options.prepared, options.target_name, layer_ids, options.dtype,
+            hf["vocab_size"], out / "consolidate",
+        )
+        reader = shards.ShardReader.open(out / "sglang.safetensors")
+        part["rows"] = {"prepared_tokens": shards.ShardReader.open(options.prepared).num_tokens, "sglang_tokens": reader.num_tokens}
+    if "sglang" in part and "transformers" in part:
+        part["comparison"] = shard_comparison(str(out / "transformers.safetensors"), str(out / "sglang.safetensors"), options.prepared)
+        part["tokens_per_s"] = {"sglang": part["sglang"]["tokens_per_s"], "transformers": part["transformers"].get("tokens_per_s")}
+    write_json(options.out, part)
+    ok = "comparison" in part and part["comparison"]["within_tolerance"] and part["verify_sglang"]["ok"]
+    return 0 if ok else 1
+
+
+def cmd_refuse(options) -> int:
+    from eaglenest import sglang_client
+
+    part = {"url": options.url}
+    try:
+        info = sglang_client.identify_server(options.url)
+        part.update(refused=False, info=info)
+    except sglang_client.SglangServerError as err:
+        part.update(refused=True, message=str(err))
+    write_json(options.out, part)
+    return 0 if part["refused"] else 1
+
+
+def mt_bench_prompt_ids(target_dir: str, questions: str, count: int) -> list[dict]:
+    """The evaluator's prompts (eaglenest.evaluate.read_mt_bench order, first turn) as token ids."""
+    from transformers import AutoTokenizer
+
+    from eaglenest.evaluate import read_mt_bench
+    from eaglenest.prepare import prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    return [{"id": p["id"], "input_ids": prompt_ids(tokenizer, p["messages"])} for p in read_mt_bench(questions)[:count]]
+
+
+def post_generate(url: str, payload: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url.rstrip("/") + "/generate", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+# Fields SGLang 0.5.14 puts in meta_info for a speculative request
+# (tokenizer_manager.py, the speculative metrics block); absent without speculation.
+SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_accepted_drafts", "spec_accept_rate", "spec_accept_histogram")
+
+
+def cmd_generate(options) -> int:
+    prompts = mt_bench_prompt_ids(options.target_dir, options.questions, options.num_prompts)
+    params = {"max_new_tokens": options.max_new_tokens, "temperature": 0.0}
+    # One warm-up request: the first prefill compiles Triton kernels.
+    post_generate(options.url, {"input_ids": prompts[0]["input_ids"], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}, options.timeout)
+
+    def one(prompt):
+        started = time.perf_counter()
+        response = post_generate(options.url, {"input_ids": prompt["input_ids"], "sampling_params": params}, options.timeout)
+        meta = response.get("meta_info", {})
+        return {
+            "id": prompt["id"], "prompt_tokens": len(prompt["input_ids"]),
+            "output_ids": response.get("output_ids"), "completion_tokens": meta.get("completion_tokens"),
+            "finish_reason": meta.get("finish_reason"), "seconds": round(time.perf_counter() - started, 4),
+            **{k: meta[k] for k in SPEC_FIELDS if k in meta},
+        }
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, options.concurrency)) as pool:
+        results = list(pool.map(one, prompts))
+    wall = time.perf_counter() - started
+    completion = sum(r["completion_tokens"] or 0 for r in results)
+    part = {"label": options.label, "url": options.url, "num_prompts": len(results), "max_new_tokens": options.max_new_tokens,
+            "concurrency": options.concurrency, "completion_tokens": completion, "wall_s": round(wall, 3),
+            "tokens_per_s": round(completion / max(wall, 1e-9), 1),
+            "sequential_tokens_per_s": round(completion / max(sum(r["seconds"] for r in results), 1e-9), 1),
+            "requests": results}
+    verify = [r.get("spec_verify_ct") for r in results]
+    if all(isinstance(v, int) and v > 0 for v in verify):
+        # SGLang's accept length: completion tokens per verify step (bonus token included).
+        part["accept_length"] = round(completion / sum(verify), 4)
+        part["accept_length_mean_of_requests"] = round(sum(r["spec_accept_length"] for r in results) / len(results), 4)
+    write_json(options.out, part)
+    return 0
+
+
+def cmd_merge(options) -> int:
+    parts_dir = Path(options.parts)
+    merged = {"parts": {}}
+    for path in sorted(parts_dir.glob("*.json")):
+        try:
+            merged["parts"][path.stem] = json.loads(path.read_text())
+        except ValueError as err:
+            merged["parts"][path.stem] = {"unreadable": str(err)}
+    steps = merged["parts"].pop("steps", None)
+    if Path(options.steps).exists():
+        steps = [json.loads(line) for line in Path(options.steps).read_text().splitlines() if line.strip()]
+    merged["steps"] = steps
+    generated = {k: v for k, v in merged["parts"].items() if k.startswith("generate-") and "tokens_per_s" in v}
+    baseline = generated.get("generate-plain", {}).get("sequential_tokens_per_s")
+    merged["summary"] = {
+        "steps_failed": [s["step"] for s in steps or [] if s.get("rc") != 0],
+        "extract": {k: merged["parts"].get("extract", {}).get(k) for k in ("tokens_per_s", "rows")},
+        "within_tolerance": merged["parts"].get("extract", {}).get("comparison", {}).get("within_tolerance"),
+        "unpatched_refused": merged["parts"].get("refuse", {}).get("refused"),
+        "generate": {k: {"accept_length": v.get("accept_length"), "tokens_per_s": v["tokens_per_s"],
+                         "sequential_tokens_per_s": v["sequential_tokens_per_s"],
+                         "speedup_vs_plain": round(v["sequential_tokens_per_s"] / baseline, 3) if baseline else None}
+                     for k, v in generated.items()},
+    }
+    write_json(options.out, merged)
+    print(json.dumps(merged["summary"], indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", required=True)
+    common.add_argument("--target-dir")
+    common.add_argument("--target-name", default="SmolLM2-135M-Instruct")
+    common.add_argument("--url", default="http://127.0.0.1:30010")
+    common.add_argument("--spool-dir", default="/dev/shm/eaglenest_hs_h200")
+    config = sub.add_parser("config", parents=[common])
+    config.add_argument("extra_args", nargs="*")
+    ext = sub.add_parser("extract", parents=[common])
+    ext.add_argument("--prepared", required=True)
+    ext.add_argument("--work", required=True)
+    ext.add_argument("--dtype", default="bfloat16")
+    ext.add_argument("--device", default="auto")
+    ext.add_argument("--concurrency", type=int, default=16)
+    ext.add_argument("--skip-transformers", action="store_true")
+    sub.add_parser("refuse", parents=[common])
+    gen = sub.add_parser("generate", parents=[common])
+    gen.add_argument("--questions", required=True)
+    gen.add_argument("--label", required=True)
+    gen.add_argument("--num-prompts", type=int, default=20)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--concurrency", type=int, default=1, help="1: per-request latency, the speculative speedup")
+    gen.add_argument("--timeout", type=float, default=120.0)
+    merge = sub.add_parser("merge")
+    merge.add_argument("--parts", required=True)
+    merge.add_argument("--steps", required=True)
+    merge.add_argument("--out", required=True)
+    options = parser.parse_args(argv)
+    return {"config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge}[options.command](options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

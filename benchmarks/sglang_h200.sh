@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Real SGLang 0.5.14 on one H200, beside other GPU work: the extraction plugin against the
+# transformers backend, the unpatched server refused, and an eaglenest drafter served with
+# EAGLE-3 (chain 3/1/4 and one tree) against plain decoding. docs/sglang.md, "On the H200".
+#
+#   SGLANG_WHEELS=.sglang-wheels TARGET_DIR=... PREPARED_SHARD=... DRAFTER_EXPORT=... \
+#   EVAL_PROMPTS=.../question.jsonl bash benchmarks/sglang_h200.sh OUTDIR
+#
+# Every step is logged with timestamps in OUTDIR/steps.log and OUTDIR/logs/<step>.log; a
+# step that fails is recorded (OUTDIR/steps.jsonl) and the next independent step runs.
+# The whole run stops after TIME_LIMIT_S (default 720) and still writes OUTDIR/results.json.
+# DRY_RUN=1 prints the commands and runs nothing on a GPU.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: bash benchmarks/sglang_h200.sh OUTDIR}"
+mkdir -p "$OUT/logs" "$OUT/parts"
+OUT="$(cd "$OUT" && pwd)"
+SGLANG_WHEELS="${SGLANG_WHEELS:-.sglang-wheels}"
+TARGET_DIR="${TARGET_DIR:-resources/models/SmolLM2-135M-Instruct}"
+TARGET_NAME="${TARGET_NAME:-SmolLM2-135M-Instruct}"
+PREPARED_SHARD="${PREPARED_SHARD:-}"
+DRAFTER_EXPORT="${DRAFTER_EXPORT:-}"
+EVAL_PROMPTS="${EVAL_PROMPTS:-}"
+MEM_FRACTION="${MEM_FRACTION:-0.25}"
+SITE="${SITE:-/tmp/site}"
+PY="${PYTHON:-python3}"
+TIME_LIMIT_S="${TIME_LIMIT_S:-720}"
+DRY_RUN="${DRY_RUN:-0}"
+NUM_PROMPTS="${NUM_PROMPTS:-20}"
+START=$(date +%s)
+DEADLINE=$((START + TIME_LIMIT_S))
+# Two servers run at a time, so each gets half of the share of GPU memory.
+HALF_MEM=$(awk "BEGIN{printf \"%.3f\", $MEM_FRACTION / 2}")
+# Known to serve on the node: real weights, Triton attention, no CUDA graphs, no grammar backend.
+COMMON_FLAGS=(--load-format auto --attention-backend triton --sampling-backend pytorch --disable-cuda-graph
+              --grammar-backend none --log-level info)
+SERVER_FLAGS=("${COMMON_FLAGS[@]}" --tp-size 1)
+SPOOL=/dev/shm/eaglenest_hs_h200
+PIDS=()
+
+log() { echo "$(date -u +%H:%M:%S) +$(( $(date +%s) - START ))s $*" | tee -a "$OUT/steps.log" >&2; }
+left() { echo $(( DEADLINE - $(date +%s) )); }
+
+# run_step NAME CMD...: timed, logged, bounded by what is left of the time limit (30 s kept
+# for stopping servers and writing results.json); never stops the script.
+run_step() {
+    local name="$1"; shift
+    local budget=$(( $(left) - 30 ))
+    local t0=$(date +%s) rc
+    if [ "$budget" -le 5 ]; then
+        log "SKIP $name: out of time"; rc=125
+    elif [ "$DRY_RUN" = 1 ]; then
+        log "DRY $name: $*"; rc=0
+    else
+        log "START $name (budget ${budget}s)"
+        timeout -k 10 "$budget" "$@" > "$OUT/logs/$name.log" 2>&1
+        rc=$?
+        log "END $name rc=$rc in $(( $(date +%s) - t0 ))s"
+        [ "$rc" = 0 ] || tail -n 15 "$OUT/logs/$name.log" | sed "s/^/    $name| /" | tee -a "$OUT/steps.log" >&2
+    fi
+    printf '{"step": "%s", "rc": %d, "seconds": %d, "log": "logs/%s.log"}\n' "$name" "$rc" $(( $(date +%s) - t0 )) "$name" >> "$OUT/steps.jsonl"
+    return "$rc"
+}
+
+# start_server NAME PORT CMD...: in its own session (so that its whole group can be stopped).
+start_server() {
+    local name="$1" port="$2"; shift 2
+    if [ "$DRY_RUN" = 1 ]; then log "DRY server $name on :$port: $*"; return 0; fi
+    log "START server $name on :$port"
+    setsid "$@" > "$OUT/logs/server-$name.log" 2>&1 &
+    PIDS+=($!)
+    eval "PID_$name=$!"
+}
+
+stop_server() {
+    local name="$1" pid
+    eval "pid=\${PID_$name:-}"
+    [ -n "$pid" ] || return 0
+    kill -TERM -- "-$pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null
+    wait "$pid" 2>/dev/null
+    eval "PID_$name="
+    log "STOP server $name"
+}
+
+# wait_ready NAME URL PATH: until URL/PATH answers 200, the server exits, or time runs out.
+wait_ready() {
+    local name="$1" url="$2" path="$3" pid t0=$(date +%s)
+    [ "$DRY_RUN" = 1 ] && return 0
+    eval "pid=\${PID_$name:-}"
+    while [ "$(left)" -gt 40 ]; do
+        if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then
+            log "server $name exited before it was ready"; tail -n 20 "$OUT/logs/server-$name.log" >&2; return 1
+        fi
+        if "$PY" -c "import sys,urllib.request; sys.exit(0 if urllib.request.urlopen('$url$path', timeout=3).status == 200 else 1)" 2>/dev/null; then
+            log "server $name ready after $(( $(date +%s) - t0 ))s"; return 0
+        fi
+        sleep 2
+    done
+    log "server $name not ready in time"; return 1
+}
+
+cleanup() {
+    for name in patched plain chain tree; do stop_server "$name"; done
+    rm -rf "$SPOOL"
+    "$PY" benchmarks/sglang_h200.py merge --parts "$OUT/parts" --steps "$OUT/steps.jsonl" --out "$OUT/results.json" \
+        > "$OUT/logs/merge.log" 2>&1 || log "merge failed: see $OUT/logs/merge.log"
+    log "done: $OUT/results.json"
+}
+trap cleanup EXIT
+trap 'log "interrupted"; exit 130' INT TERM
+
+log "sglang_h200: OUT=$OUT TARGET_DIR=$TARGET_DIR PREPARED_SHARD=$PREPARED_SHARD DRAFTER_EXPORT=$DRAFTER_EXPORT MEM_FRACTION=$MEM_FRACTION limit ${TIME_LIMIT_S}s"
+for v in TARGET_DIR PREPARED_SHARD DRAFTER_EXPORT EVAL_PROMPTS; do
+    [ -e "${!v}" ] || log "WARNING: $v=${!v} does not exist; the steps that need it will fail"
+done
+
+# --- a. install the carried wheels into $SITE once per machine, import-test ------------------
+install_wheels() {
+    bash envs/sglang_wheels_install.sh "$SGLANG_WHEELS" "$SITE"
+}
+run_step install install_wheels
+run_step environment bash -c "nvidia-smi; nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv; nproc; uptime;
+    PYTHONPATH=$SITE $PY -c 'import torch, triton, transformers, sglang, sgl_kernel, flashinfer; print(torch.__version__, triton.__version__, transformers.__version__, sglang.__version__)'"
+SGL_ENV=(env PYTHONPATH="$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 SGLANG_DISABLE_REQUEST_LOGGING=1)
+
+# --- b+c. the patched server (through our launcher) and a plain one, side by side -----------
+PATCHED_URL=http://127.0.0.1:30010
+PLAIN_URL=http://127.0.0.1:30011
+run_step patched-config "$PY" benchmarks/sglang_h200.py config --out "$OUT/patched-config.yaml" --target-dir "$TARGET_DIR" \
+    --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" -- \
+    --mem-fraction-static "$HALF_MEM" "${COMMON_FLAGS[@]}"
+start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang_launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
+start_server plain 30011 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --served-model-name "$TARGET_NAME" \
+    --port 30011 --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}"
+
+# The client and the transformers backend run on the node's own transformers (not $SITE's).
+if wait_ready patched "$PATCHED_URL" /eaglenest/info; then
+    run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \
+        --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$OUT/shards"
+    grep -h "eaglenest capture" "$OUT/patched/server.log" 2>/dev/null | head -5 | tee -a "$OUT/steps.log" >&2
+else
+    run_step extract false
+fi
+stop_server patched
+if wait_ready plain "$PLAIN_URL" /health; then
+    run_step refuse "$PY" benchmarks/sglang_h200.py refuse --out "$OUT/parts/refuse.json" --target-name "$TARGET_NAME" --url "$PLAIN_URL"
+    run_step generate-plain "$PY" benchmarks/sglang_h200.py generate --out "$OUT/parts/generate-plain.json" --label plain \
+        --target-dir "$TARGET_DIR" --url "$PLAIN_URL" --questions "$EVAL_PROMPTS" --num-prompts "$NUM_PROMPTS"
+else
+    run_step refuse false
+fi
+stop_server plain
+
+# --- d. our drafter with EAGLE-3: chain 3/1/4 and a tree 6/10/60, side by side ---------------
+EAGLE=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFTER_EXPORT" --speculative-draft-attention-backend triton)
+start_server chain 30012 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30012 \
+    --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
+    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+start_server tree 30013 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30013 \
+    --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
+    --speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 60
+for setting in chain:30012 tree:30013; do
+    name="${setting%%:*}" port="${setting##*:}"
+    if wait_ready "$name" "http://127.0.0.1:$port" /health; then
+        run_step "generate-$name" "$PY" benchmarks/sglang_h200.py generate --out "$OUT/parts/generate-$name.json" --label "$name" \
+            --target-dir "$TARGET_DIR" --url "http://127.0.0.1:$port" --questions "$EVAL_PROMPTS" --num-prompts "$NUM_PROMPTS"
+        [ "$DRY_RUN" = 1 ] || "$PY" -c "import json,urllib.request; print(json.dumps(json.load(urllib.request.urlopen('http://127.0.0.1:$port/get_server_info', timeout=10)), indent=1, default=str))" \
+            > "$OUT/parts/server-info-$name.json" 2>> "$OUT/logs/generate-$name.log"
+    else
+        run_step "generate-$name" false
+    fi
+    stop_server "$name"
+done

@@ -1,0 +1,79 @@
+"""benchmarks/sglang_h200.sh and its Python steps, without a GPU: against the stand-in server."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from test_sglang_protocol import prepared_shard, standin  # noqa: F401 (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "sglang_h200.py"
+
+
+_spec = importlib.util.spec_from_file_location("sglang_h200", SCRIPT)
+sglang_h200 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sglang_h200)
+
+
+def run_step(*args) -> int:
+    return sglang_h200.main([str(a) for a in args])
+
+
+def test_extract_step_compares_both_backends_and_verifies_the_server_shard(standin, prepared_shard, tiny_llama, tmp_path):
+    _, url, spool = standin(target="tiny-llama", layers=[])
+    part = tmp_path / "extract.json"
+    done = run_step("extract", "--out", part, "--target-dir", tiny_llama, "--target-name", "tiny-llama", "--url", url,
+                    "--spool-dir", spool, "--prepared", prepared_shard, "--work", tmp_path / "shards", "--device", "cpu")
+    result = json.loads(part.read_text())
+    assert done == 0, result
+    assert result["comparison"]["within_tolerance"] and result["verify_sglang"]["ok"]
+    assert result["rows"]["prepared_tokens"] == result["rows"]["sglang_tokens"]
+    assert result["comparison"]["tensors"]["last_hidden"]["min_row_cosine"] > 0.999
+    assert set(result["tokens_per_s"]) == {"sglang", "transformers"}
+
+
+class _UnpatchedSglang(BaseHTTPRequestHandler):
+    """What a plain SGLang answers: /get_model_info, and 404 for our route."""
+
+    def do_GET(self):
+        found = self.path == "/get_model_info"
+        body = json.dumps({"model_path": "/m/smol"} if found else {"detail": "Not Found"}).encode()
+        self.send_response(200 if found else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_refuse_step_passes_only_when_the_server_is_refused(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _UnpatchedSglang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert run_step("refuse", "--out", tmp_path / "refuse.json", "--url", f"http://127.0.0.1:{server.server_address[1]}") == 0
+    finally:
+        server.shutdown()
+    part = json.loads((tmp_path / "refuse.json").read_text())
+    assert part["refused"] and "without the eaglenest patch serving /m/smol" in part["message"]
+
+
+def test_gpu_script_dry_run_plans_every_step_and_writes_results(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "TARGET_DIR": str(tmp_path), "PREPARED_SHARD": str(tmp_path),
+           "DRAFTER_EXPORT": str(tmp_path), "EVAL_PROMPTS": str(tmp_path)}
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_h200.sh"), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "out" / "steps.jsonl").read_text().splitlines()]
+    assert steps == ["install", "environment", "patched-config", "extract", "refuse", "generate-plain", "generate-chain", "generate-tree"]
+    for server in ("patched", "plain", "chain", "tree"):
+        assert f"DRY server {server}" in done.stderr
+    assert "--speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 60" in done.stderr
+    assert json.loads((tmp_path / "out" / "results.json").read_text())["summary"]["steps_failed"] == []
