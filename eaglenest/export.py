@@ -308,6 +308,32 @@ def _check_written(export_dir: Path, expected: dict[str, torch.Tensor]) -> None:
             raise RuntimeError(f"{export_dir}: tensor {name} does not read back as written")
 
 
+# "auto" writes the embedding when it is at most this large in the export's dtype: such an
+# export loads in every consumer as it is (SmolLM2: 57 MB in bf16). A larger one (Kimi-K2.5:
+# 163,840 x 7,168, 2.35 GB in bf16) is left to the engines, which take the target's.
+AUTO_EMBED_LIMIT_BYTES = 256 << 20
+
+
+def resolve_include_embed_tokens(setting, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> bool:
+    if setting == "auto":
+        return vocab_size * hidden_size * torch.finfo(dtype).bits // 8 <= AUTO_EMBED_LIMIT_BYTES
+    if not isinstance(setting, bool):
+        raise ValueError(f"include_embed_tokens must be true, false or auto, got {setting!r}")
+    return setting
+
+
+def consumers(include_embed_tokens: bool) -> dict[str, str]:
+    """Which consumer loads the export as it is, and what each needs (docs/export.md)."""
+    eagle = ("loads as it is (every tensor by name, the embedding included)" if include_embed_tokens else
+             "needs include_embed_tokens: true: EAGLE's loader copies the target's embedding only for a config "
+             "without target_hidden_size and loads the rest with strict=False, so a missing embedding stays random")
+    return {
+        "sglang": "loads as it is" + ("" if include_embed_tokens else "; takes the target's embedding (none in the export)"),
+        "vllm": "loads as it is" + ("" if include_embed_tokens else "; shares the target's embedding (none in the export)"),
+        "eagle_reference": eagle,
+    }
+
+
 def export_drafter(
     drafter_dir,
     target_dir,
@@ -317,16 +343,20 @@ def export_drafter(
     report_path,
     *,
     dtype: str = "bfloat16",
-    include_embed_tokens: bool = False,
+    include_embed_tokens: bool | str = "auto",
     verifier_name_or_path: str | None = None,
     speculative_tokens: int = 3,
 ) -> dict:
-    """Both exports of a trained drafter directory, each read back and checked, and a report."""
+    """Both exports of a trained drafter directory, each read back and checked, and a report.
+
+    ``include_embed_tokens``: true, false, or "auto" (:data:`AUTO_EMBED_LIMIT_BYTES`)."""
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"export dtype must be bfloat16, float16 or float32, got {dtype!r}")
     drafter = Eagle3Drafter.from_checkpoint(drafter_dir)
     shape = drafter.config.to_dict()
+    include_embed_tokens = resolve_include_embed_tokens(include_embed_tokens, shape["vocab_size"],
+                                                        shape["hidden_size"], torch_dtype)
     target = target_identity(target_dir, target_name, verifier_name_or_path)
     state_dict = drafter.state_dict()
     weights = _weights(state_dict, torch_dtype, include_embed_tokens)
@@ -343,6 +373,7 @@ def export_drafter(
         "target": target,
         "dtype": dtype,
         "include_embed_tokens": include_embed_tokens,
+        "consumers": consumers(include_embed_tokens),
         "aux_layer_ids_hf": list(shape["aux_layer_ids"]),
         "sglang": {
             "dir": str(sglang_dir),

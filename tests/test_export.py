@@ -380,3 +380,21 @@ def test_export_rule_writes_both_exports_from_a_trained_drafter_directory(drafte
         reloaded = export.drafter_from_export(tmp_path / "results" / "tiny" / "export" / kind, tiny_llama)
         assert torch.equal(_logits_two_steps(reloaded, ids, aux), _logits_two_steps(original, ids, aux))
     assert (tmp_path / "logs" / "tiny" / "export.log").exists()
+
+
+def test_auto_writes_the_embedding_of_a_small_target_and_the_report_names_each_consumer(drafter_dir, tiny_llama, tmp_path):
+    # Kimi-K2.5's embedding in bf16 is over the limit, SmolLM2's is under it.
+    assert not export.resolve_include_embed_tokens("auto", 163840, 7168, torch.bfloat16)
+    assert export.resolve_include_embed_tokens("auto", 49152, 576, torch.bfloat16)
+    with pytest.raises(ValueError, match="true, false or auto"):
+        export.resolve_include_embed_tokens("yes", 10, 10, torch.bfloat16)
+    report = export.export_drafter(drafter_dir, tiny_llama, "tiny", tmp_path / "sglang", tmp_path / "vllm",
+                                   tmp_path / "report.json")
+    assert report["include_embed_tokens"] is True
+    from safetensors.torch import load_file
+
+    assert "embed_tokens.weight" in load_file(str(tmp_path / "sglang" / "model.safetensors"))
+    assert report["consumers"]["eagle_reference"].startswith("loads as it is")
+    lean = export.export_drafter(drafter_dir, tiny_llama, "tiny", tmp_path / "s2", tmp_path / "v2",
+                                 tmp_path / "r2.json", include_embed_tokens=False)
+    assert lean["consumers"]["eagle_reference"].startswith("needs include_embed_tokens: true")

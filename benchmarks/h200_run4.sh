@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The fourth real-scale run of docs/results.md on one H200 node (16 CPU cores, 1 GPU):
+#   1. training throughput: eaglenest's step against the plain eager ceiling (Kimi and SmolLM2
+#      shapes), the flex/dense check, and the code before this run on the same shapes;
+#   2. the full set of config/h200-smollm2.yaml with the TTT position fix: (a) one epoch with
+#      run 3's settings (the before/after of the fix alone) and (b) EPOCHS epochs, side by side
+#      on the GPU, each evaluated by replay on every prompt (config/h200/run4.yaml);
+#   3. benchmarks/sglang_h200.sh on (a)'s export beside (b)'s training.
+#   bash benchmarks/h200_run4.sh    (writes logs/h200/: progress.log, times.tsv, one log per
+#                                    step, bench/*.json, sglang/, and DONE at the end)
+# Expects, carried in: resources/ (the GGUF, eval sets), results/h200-smollm2/data/ (ingested
+# conversations) and results/h200-smollm2/evaluate/*/reference/ (greedy references decoded on
+# a CPU machine with config/h200/run4.yaml); optionally .bench-old/ (the code before this run,
+# for the throughput comparison) and the SGLang wheel archives in $SGLANG_WHEELS, which may
+# arrive while the run is under way (it waits for $SGLANG_WHEELS/READY).
+set -u
+cd "$(dirname "$0")/.."
+REPO=$PWD
+SNAKEMAKE=${SNAKEMAKE:-snakemake}
+CONFIGS=(config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/run4.yaml)
+TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-480} # wall seconds (b) may train, side by side with (a)
+EPOCHS=${EPOCHS:-}                     # empty: sized from the measured throughput
+LONG_RUN=h200-smollm2-long
+SGLANG_WHEELS=${SGLANG_WHEELS:-.sglang-wheels}
+BENCH=logs/h200/bench
+mkdir -p logs/h200 $BENCH
+rm -f logs/h200/DONE
+
+stamp() { date -u +%FT%TZ; }
+timed() { # name, command...: wall seconds and exit status into logs/h200/times.tsv
+  local name=$1 start=$SECONDS rc
+  shift
+  echo "$(stamp) start $name" >>"$REPO/logs/h200/progress.log"
+  "$@" >"$REPO/logs/h200/$name.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" "$((SECONDS - start))" "$rc" >>"$REPO/logs/h200/times.tsv"
+  echo "$(stamp) end $name rc=$rc" >>"$REPO/logs/h200/progress.log"
+  return $rc
+}
+
+# --- CPU: the target's conversion, then prepare (both beside the GPU benchmarks) -------------
+prep() {
+  timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${CONFIGS[@]}" &&
+    timed touch-references $SNAKEMAKE --touch --cores 1 --configfile "${CONFIGS[@]}" --until evaluate_reference &&
+    timed prepare $SNAKEMAKE --cores 4 --configfile "${CONFIGS[@]}" --until prepare
+}
+prep &
+PREP=$!
+
+# --- GPU: training throughput, one shape at a time -------------------------------------------
+bench() { # name, arguments of train_throughput.py
+  local name=$1
+  shift
+  timed "bench-$name" timeout 420 python3 "$@" --out "$BENCH/$name.json"
+}
+NEW=benchmarks/train_throughput.py
+OLD=.bench-old/benchmarks/train_throughput.py
+bench train_throughput_h200_smollm2 $NEW --shape smollm2 --rows 8 --token-budget 4096 --sample-len 4096 \
+  --steps 8 --warmup 3 --ceiling --check
+bench train_throughput_h200_kimi $NEW --shape kimi --rows 1 --token-budget 4096 --sample-len 4096 \
+  --steps 8 --warmup 3 --ceiling
+bench train_throughput_h200_kimi_8x4096 $NEW --shape kimi --rows 8 --token-budget 4096 --sample-len 4096 \
+  --steps 5 --warmup 2
+[ -f "$OLD" ] && bench train_throughput_h200_smollm2_before "$OLD" --shape smollm2 --rows 8 \
+  --token-budget 4096 --sample-len 4096 --steps 6 --warmup 3
+[ "${BENCH_COMPILE:-1}" = 1 ] && bench train_throughput_h200_smollm2_compile $NEW --shape smollm2 --rows 8 \
+  --token-budget 4096 --sample-len 4096 --steps 8 --warmup 3 --compile
+
+wait $PREP || { echo "prep failed" >>logs/h200/progress.log; exit 1; }
+
+# --- the data half once, for both runs -------------------------------------------------------
+timed extract $SNAKEMAKE --cores 14 --configfile "${CONFIGS[@]}" --until consolidate || exit 1
+
+if [ -z "$EPOCHS" ]; then
+  # One epoch is ~21.2M tokens; two trainings share the GPU at 8 rows of 2,048 (not 4,096),
+  # so count a little over half of the benchmark's tokens/s.
+  EPOCHS=$(python3 - "$TRAIN_BUDGET_S" <<'PY'
+import json, sys
+runs = json.load(open("logs/h200/bench/train_throughput_h200_smollm2.json"))["runs"]
+tps = next(r["tokens_per_s"] for r in runs if "tokens_per_s" in r and "step" not in r)
+print(max(2, min(10, int(float(sys.argv[1]) * tps * 0.55 / 21.2e6))))
+PY
+  ) || EPOCHS=3
+fi
+echo "$(stamp) epochs for $LONG_RUN: $EPOCHS" >>logs/h200/progress.log
+cat >/tmp/long.yaml <<EOF
+run: $LONG_RUN
+train:
+  epochs: $EPOCHS
+EOF
+# (a) evaluates the two settings of the before/after; (b) all three.
+cat >/tmp/one-epoch.yaml <<'EOF'
+evaluate:
+  drafting:
+    - {steps: 3, topk: 1, tokens: 4}
+    - {steps: 6, topk: 10, tokens: 60}
+EOF
+# (b) reads the same files: hard links, same bytes and times, no extra disk.
+mkdir -p "results/$LONG_RUN"
+for part in data prepared hidden consolidated evaluate; do
+  cp -al "results/h200-smollm2/$part" "results/$LONG_RUN/$part"
+done
+rm -rf "results/$LONG_RUN/evaluate/"*/steps*
+# Same bytes and times as (a)'s, so nothing before training is planned for (b): the dry run
+# in the log shows it.
+timed plan-long $SNAKEMAKE -n --nolock --cores 1 --configfile "${CONFIGS[@]}" /tmp/long.yaml
+if grep -qE "^(extract_hidden_states|consolidate|prepare|ingest) " logs/h200/plan-long.log; then
+  timed touch-long $SNAKEMAKE --touch --nolock --cores 1 --configfile "${CONFIGS[@]}" /tmp/long.yaml \
+    --until consolidate evaluate_reference
+fi
+
+timed one-epoch $SNAKEMAKE --cores 10 --configfile "${CONFIGS[@]}" /tmp/one-epoch.yaml &
+ONE=$!
+timed long $SNAKEMAKE --cores 14 --nolock --configfile "${CONFIGS[@]}" /tmp/long.yaml &
+LONG=$!
+
+if [ "${SGLANG:-1}" = 1 ]; then
+  (
+    while [ ! -f results/h200-smollm2/export/sglang/config.json ] || [ ! -f "$SGLANG_WHEELS/READY" ]; do
+      kill -0 $ONE 2>/dev/null || exit 0
+      sleep 10
+    done
+    shard=$(ls results/h200-smollm2/prepared/*/shard-00000.safetensors | head -1)
+    SGLANG_WHEELS=$SGLANG_WHEELS TARGET_DIR=resources/models/SmolLM2-135M-Instruct PREPARED_SHARD=$shard \
+      DRAFTER_EXPORT=results/h200-smollm2/export/sglang EVAL_PROMPTS=resources/eval/mt_bench_question.jsonl \
+      MEM_FRACTION=0.25 timed sglang bash benchmarks/sglang_h200.sh logs/h200/sglang
+  ) &
+fi
+
+wait $ONE $LONG
+wait
+touch logs/h200/DONE
