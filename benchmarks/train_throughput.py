@@ -360,6 +360,7 @@ def main(argv=None):
             if args.ceiling:
                 attempt(name, lambda: bench_ceiling(name, args, device))
     print_table(results)
+    save()  # with the ratios print_table adds
 
 
 def print_table(results: dict) -> None:
