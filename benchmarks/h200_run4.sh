@@ -29,17 +29,7 @@ BENCH=logs/h200/bench
 mkdir -p logs/h200 $BENCH
 rm -f logs/h200/DONE
 
-stamp() { date -u +%FT%TZ; }
-timed() { # name, command...: wall seconds and exit status into logs/h200/times.tsv
-  local name=$1 start=$SECONDS rc
-  shift
-  echo "$(stamp) start $name" >>"$REPO/logs/h200/progress.log"
-  "$@" >"$REPO/logs/h200/$name.log" 2>&1
-  rc=$?
-  printf '%s\t%s\t%s\n' "$name" "$((SECONDS - start))" "$rc" >>"$REPO/logs/h200/times.tsv"
-  echo "$(stamp) end $name rc=$rc" >>"$REPO/logs/h200/progress.log"
-  return $rc
-}
+source "$REPO/benchmarks/h200_steps.sh"
 
 # --- CPU: the target's conversion, then prepare and the greedy references (float32, one core
 # a chunk), all beside the GPU benchmarks ----------------------------------------------------
