@@ -174,8 +174,9 @@ class SoftCrossEntropy(torch.autograd.Function):
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
-    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int, loss_chunk_rows: int = 8192,
-                 attention_backend: str = "auto"):
+    def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int,
+                 loss_chunk_rows: int = DEFAULTS["loss_chunk_rows"],
+                 attention_backend: str = DEFAULTS["attention"]):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
