@@ -44,14 +44,11 @@ def regenerated_path(*parts):
     return run_path("regenerated", plan.regeneration_key(config), *parts)
 
 
-def regenerated_shards():
-    return expand(regenerated_path("shard-{shard}.jsonl"), shard=SHARD_IDS)
-
-
-def prepare_conversations():
-    """What prepare tokenizes: the target's own answers when regeneration is on."""
+def prepare_conversations(wildcards):
+    """What a shard's prepare job tokenizes: the shard's regenerated conversations when
+    regeneration is on (the same sharding), else all ingested conversations."""
     if plan.regeneration(config):
-        return regenerated_shards()
+        return [regenerated_path(f"shard-{wildcards.shard}.jsonl")]
     return [run_path("data", "conversations.jsonl")]
 
 
