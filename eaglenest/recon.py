@@ -583,6 +583,13 @@ def _run_dir(workdir: Path, config: dict) -> Path:
     return workdir / "results" / config["run"]
 
 
+def hidden_location(config: dict, workdir: Path) -> Path:
+    """Where the hidden shards are stored: extract.hidden_dir, which results/<run>/hidden links
+    to once the workflow has run, else results/<run>/hidden."""
+    configured = config["extract"].get("hidden_dir")
+    return workdir / configured if configured else _run_dir(workdir, config) / "hidden"
+
+
 def _shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:05d}.safetensors"
 
@@ -725,8 +732,11 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     num_shards = plan.num_shards(config)
     layer_ids = plan.layer_ids(config)
     expect = {"target": config["target"]["name"], "layer_ids": layer_ids, "dtype": config["extract"]["dtype"]}
+    # Shard paths as the workflow names them (results/<run>/hidden, a link with extract.hidden_dir);
+    # read where they are stored.
     hidden_dir, prepared_dir = run_dir / "hidden", run_dir / "prepared" / plan.prepared_key(config)
-    hidden_leftovers, prepared_leftovers = _leftovers(hidden_dir), _leftovers(prepared_dir)
+    stored_dir = hidden_location(config, workdir)
+    hidden_leftovers, prepared_leftovers = _leftovers(stored_dir), _leftovers(prepared_dir)
     incomplete = {m["path"] for m in incomplete_markers(workdir) if m["exists"]}
     prepare_report_path = prepared_dir / "prepare_report.json"
     per_shard_plan: dict[int, dict] = {}
@@ -735,15 +745,15 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
             per_shard_plan = {s["shard_id"]: s for s in json.loads(prepare_report_path.read_text())["shards"]}
 
     # One directory scan instead of a stat per shard: 10,000 shards stay well under a second.
-    hidden_mtimes, prepared_mtimes = _mtimes(hidden_dir), _mtimes(prepared_dir)
+    hidden_mtimes, prepared_mtimes = _mtimes(stored_dir), _mtimes(prepared_dir)
     hidden_rel = str(hidden_dir.relative_to(workdir))
     rows = []
     for shard_id in range(num_shards):
         name = _shard_name(shard_id)
-        hidden = os.path.join(hidden_dir, name)
+        hidden = os.path.join(stored_dir, name)
         rel = f"{hidden_rel}/{name}"
         row = {"shard": shard_id, "path": rel, "state": None, "samples": 0, "tokens": 0, "reason": None,
-               "leftovers": [str(p.relative_to(workdir)) for p in hidden_leftovers.get(name, [])]}
+               "leftovers": [f"{hidden_rel}/{p.name}" for p in hidden_leftovers.get(name, [])]}
         row["writing"] = any(_writer_alive(p) for p in hidden_leftovers.get(name, []))
         if name in hidden_mtimes:
             try:
@@ -966,7 +976,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def check_disk(config: dict, workdir: Path, workflow: dict) -> dict:
     """Free space where the hidden shards go vs what the extract preflight will ask for."""
-    location = _existing_ancestor(_run_dir(workdir, config) / "hidden")
+    location = _existing_ancestor(hidden_location(config, workdir))
     free = shutil.disk_usage(location).free
     shards_left = len(workflow["to_build"]) + len(workflow["rebuild_after_rm"])
     needed = workflow["remaining_tokens"] * workflow["bytes_per_token"]

@@ -172,3 +172,41 @@ def test_production_config_plans_the_whole_job_without_the_model(tmp_path):
     assert "240 shards" in result.stderr and "57,349 B/token" in result.stderr and "TB of hidden states" in result.stderr
     counts = planned_jobs(tmp_path, REPO / "config" / "kimi-k2.5.yaml")
     assert counts["extract_hidden_states"] == 240 and counts["consolidate"] == 1
+
+
+def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_run, tmp_path):
+    source, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir, symlinks=True)
+    settings = yaml.safe_load((workdir / "config.yaml").read_text())
+    nvme = tmp_path / "nvme" / "hidden"
+    settings["extract"]["hidden_dir"] = str(nvme)
+    moved = workdir / "moved.yaml"
+    moved.write_text(yaml.safe_dump(settings))
+    # Not moved yet: refused with the command that moves them, nothing touched.
+    refused = run_snakemake(workdir, moved, "-n", check=False)
+    assert refused.returncode != 0 and "mv results/tiny/hidden/*" in refused.stdout + refused.stderr
+    assert sorted(p.name for p in hidden_dir(workdir).iterdir()) == SHARDS
+    before = snapshot(hidden_dir(workdir))
+    nvme.parent.mkdir()
+    shutil.move(hidden_dir(workdir), nvme)  # keeps the mtimes, as mv does
+    assert planned_jobs(workdir, moved) == {}
+    assert hidden_dir(workdir).is_symlink() and hidden_dir(workdir).resolve() == nvme
+    assert {name: state[1:] for name, state in snapshot(nvme).items()} == {n: s[1:] for n, s in before.items()}
+
+
+def test_empty_extract_hidden_dir_fails_a_refused_job_without_a_snakemake_traceback(tmp_path, tiny_llama):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 10)
+    empty = tmp_path / "nvme"
+    # A preflight that refuses: the run fails with the hidden directory still empty.
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"hidden_dir": str(empty), "disk_reserve_mb": 1 << 40})
+    result = run_snakemake(workdir, configfile, "--cores", "1", "results/tiny/hidden/shard-00000.safetensors", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    log = (workdir / "logs" / "tiny" / "extract" / "shard-00000.log").read_text()
+    assert "disk preflight" in log
+    snakemake_end = output[output.index("Exiting because a job execution failed"):]
+    assert "Traceback" not in snakemake_end and "NotADirectoryError" not in output, snakemake_end
+    assert [p.name for p in empty.iterdir()] == [".eaglenest-hidden-states"]
