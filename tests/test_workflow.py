@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import yaml
 from conftest import (
     REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until,
 )
-from eaglenest import atomic
+from eaglenest import atomic, prepare
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
 # The crash and corruption tests concern the data half; stopping there keeps them short.
@@ -210,3 +211,39 @@ def test_empty_extract_hidden_dir_fails_a_refused_job_without_a_snakemake_traceb
     snakemake_end = output[output.index("Exiting because a job execution failed"):]
     assert "Traceback" not in snakemake_end and "NotADirectoryError" not in output, snakemake_end
     assert [p.name for p in empty.iterdir()] == [".eaglenest-hidden-states"]
+
+
+# The last release whose prepare was a single job with one output per shard.
+SINGLE_PREPARE_RELEASE = "5f797d104215ad159fe124ac699ed4315786c3fa"
+
+
+def test_run_prepared_by_the_single_prepare_job_plans_no_prepare_or_extraction(tmp_path, tiny_llama):
+    earlier = tmp_path / "earlier-release"
+    earlier.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", SINGLE_PREPARE_RELEASE, "Snakefile", "rules", "scripts",
+                              "config", "envs", "report", "profiles", "eaglenest"], capture_output=True)
+    assert archive.returncode == 0, archive.stderr.decode()
+    subprocess.run(["tar", "-x", "-C", str(earlier)], input=archive.stdout, check=True)
+    workdir, configfile = new_workdir_at(tmp_path / "run", tiny_llama, conversations=20)  # 2 shards
+    # The earlier release's workflow and library (PYTHONPATH first) make the data half.
+    env = {**os.environ, "PYTHONPATH": str(earlier), "PYTHONUNBUFFERED": "1"}
+    command = snakemake_command(workdir, configfile, "--cores", "2", *DATA_HALF)
+    command[command.index(str(REPO / "Snakefile"))] = str(earlier / "Snakefile")
+    made = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr[-4000:]
+    assert (workdir / "logs" / "tiny" / "prepare.log").exists()  # the single job ran
+    assert planned_jobs(workdir, configfile, *DATA_HALF) == {}
+    # Without its report (e.g. deleted), the report is rebuilt from the earlier shards' headers.
+    report_path = next(workdir.glob("results/tiny/prepared/*/prepare_report.json"))
+    earlier_report = json.loads(report_path.read_text())
+    report_path.unlink()
+    assert planned_jobs(workdir, configfile, str(report_path.relative_to(workdir))) == {"prepare_report": 1}
+    rebuilt = prepare.summarize(sorted(report_path.parent.glob("shard-*.safetensors")), tmp_path / "rebuilt.json")
+    assert rebuilt["shards_without_drop_counts"] == [0, 1]
+    assert rebuilt["shards"] == earlier_report["shards"] and rebuilt["tokens"] == earlier_report["tokens"]
+
+
+def new_workdir_at(workdir: Path, target: Path, conversations: int) -> tuple[Path, Path]:
+    workdir.mkdir()
+    source = synthetic_conversations(workdir / "conversations.jsonl", conversations)
+    return workdir, tiny_workflow_config(workdir, target, source, data={"max_conversations": conversations})
