@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -169,8 +170,12 @@ def test_bad_config_key_and_value_fail_with_a_clear_message(tmp_path, tiny_llama
 
 
 def test_production_config_plans_the_whole_job_without_the_model(tmp_path):
-    result = run_snakemake(tmp_path, REPO / "config" / "kimi-k2.5.yaml", "-n", "--quiet", "rules")
+    # The README's readable dry run: the plan line and the job table, no job's paths.
+    result = run_snakemake(tmp_path, REPO / "config" / "kimi-k2.5.yaml", "-n", "-q", "rules")
     assert "240 shards" in result.stderr and "57,349 B/token" in result.stderr and "TB of hidden states" in result.stderr
+    output = result.stdout + result.stderr
+    assert re.search(r"^extract_hidden_states\s+240$", output, re.M) and "shard-00001" not in output
+    assert len(output) < 5000, len(output)
     counts = planned_jobs(tmp_path, REPO / "config" / "kimi-k2.5.yaml")
     assert counts["extract_hidden_states"] == 240 and counts["consolidate"] == 1
 
@@ -247,3 +252,12 @@ def new_workdir_at(workdir: Path, target: Path, conversations: int) -> tuple[Pat
     workdir.mkdir()
     source = synthetic_conversations(workdir / "conversations.jsonl", conversations)
     return workdir, tiny_workflow_config(workdir, target, source, data={"max_conversations": conversations})
+
+
+def test_ingest_rejections_reach_the_snakemake_console(tmp_path, tiny_llama):
+    workdir, configfile = new_workdir_at(tmp_path / "run", tiny_llama, conversations=5)
+    with open(workdir / "conversations.jsonl", "a") as source:
+        source.write('{"id": "broken" "messages": []}\n')
+    result = run_snakemake(workdir, configfile, "--cores", "1", "results/tiny/data/ingest_report.json")
+    # The job's log goes to a file; this line must reach the console as well.
+    assert "eaglenest: ingest: kept 5 of 6 records; rejected 1 (invalid_json 1)" in result.stderr
