@@ -10,8 +10,8 @@ from eaglenest import plan
 validate(config, schema="../config/schema.yaml")
 
 RUN_DIR = Path("results") / config["run"]
-# extract.hidden_dir: results/<run>/hidden becomes a link to it (eaglenest.plan.link_hidden_dir).
-HIDDEN_DIR = plan.link_hidden_dir(RUN_DIR, config["extract"]["hidden_dir"], config["run"])
+# extract.hidden_dir: results/<run>/hidden becomes a link to it, before any rule names a shard.
+plan.link_hidden_dir(RUN_DIR, config["extract"]["hidden_dir"], config["run"])
 LAYER_IDS = plan.layer_ids(config)
 NUM_SHARDS = plan.num_shards(config)
 SHARD_IDS = [f"{i:05d}" for i in range(NUM_SHARDS)]

@@ -201,21 +201,34 @@ def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_r
     assert {name: state[1:] for name, state in snapshot(nvme).items()} == {n: s[1:] for n, s in before.items()}
 
 
-def test_empty_extract_hidden_dir_fails_a_refused_job_without_a_snakemake_traceback(tmp_path, tiny_llama):
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    conversations = synthetic_conversations(workdir / "conversations.jsonl", 10)
-    empty = tmp_path / "nvme"
-    # A preflight that refuses: the run fails with the hidden directory still empty.
-    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"hidden_dir": str(empty), "disk_reserve_mb": 1 << 40})
+@pytest.fixture(scope="module")
+def refused_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """One shard's run that fails: a malformed source record, then a disk preflight that refuses,
+    with extract.hidden_dir an empty directory."""
+    root = tmp_path_factory.mktemp("refused")
+    empty = root / "nvme"
+    workdir, configfile = new_workdir_at(root / "run", tiny_llama, conversations=10,
+                                         extract={"hidden_dir": str(empty), "disk_reserve_mb": 1 << 40})
+    with open(workdir / "conversations.jsonl", "a") as source:
+        source.write('{"id": "broken" "messages": []}\n')
     result = run_snakemake(workdir, configfile, "--cores", "1", "results/tiny/hidden/shard-00000.safetensors", check=False)
+    return workdir, empty, result
+
+
+def test_empty_extract_hidden_dir_fails_a_refused_job_without_a_snakemake_traceback(refused_run):
+    workdir, empty, result = refused_run
     output = result.stdout + result.stderr
     assert result.returncode != 0
-    log = (workdir / "logs" / "tiny" / "extract" / "shard-00000.log").read_text()
-    assert "disk preflight" in log
+    assert "disk preflight" in (workdir / "logs" / "tiny" / "extract" / "shard-00000.log").read_text()
     snakemake_end = output[output.index("Exiting because a job execution failed"):]
     assert "Traceback" not in snakemake_end and "NotADirectoryError" not in output, snakemake_end
     assert [p.name for p in empty.iterdir()] == [".eaglenest-hidden-states"]
+
+
+def test_ingest_rejections_reach_the_snakemake_console(refused_run):
+    _, _, result = refused_run
+    # The job's log goes to a file; this line must reach the console as well.
+    assert "eaglenest: ingest: kept 10 of 11 records; rejected 1 (invalid_json 1)" in result.stderr
 
 
 # The last release whose prepare was a single job with one output per shard.
@@ -248,16 +261,8 @@ def test_run_prepared_by_the_single_prepare_job_plans_no_prepare_or_extraction(t
     assert rebuilt["shards"] == earlier_report["shards"] and rebuilt["tokens"] == earlier_report["tokens"]
 
 
-def new_workdir_at(workdir: Path, target: Path, conversations: int) -> tuple[Path, Path]:
+def new_workdir_at(workdir: Path, target: Path, conversations: int, **sections) -> tuple[Path, Path]:
     workdir.mkdir()
     source = synthetic_conversations(workdir / "conversations.jsonl", conversations)
-    return workdir, tiny_workflow_config(workdir, target, source, data={"max_conversations": conversations})
+    return workdir, tiny_workflow_config(workdir, target, source, data={"max_conversations": conversations}, **sections)
 
-
-def test_ingest_rejections_reach_the_snakemake_console(tmp_path, tiny_llama):
-    workdir, configfile = new_workdir_at(tmp_path / "run", tiny_llama, conversations=5)
-    with open(workdir / "conversations.jsonl", "a") as source:
-        source.write('{"id": "broken" "messages": []}\n')
-    result = run_snakemake(workdir, configfile, "--cores", "1", "results/tiny/data/ingest_report.json")
-    # The job's log goes to a file; this line must reach the console as well.
-    assert "eaglenest: ingest: kept 5 of 6 records; rejected 1 (invalid_json 1)" in result.stderr
