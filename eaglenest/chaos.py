@@ -11,7 +11,8 @@ Faults, each followed by what the README tells a user to do:
   * corrupt    flip a byte / truncate / zero-fill a random finished shard; the next run must
                refuse it by name; the user removes what it names and reruns; only that
                shard is rebuilt.
-  * bad_records  conversations with every kind of malformed record among good ones.
+  * bad_records  conversations with every kind of malformed record among good ones,
+                 a JSON syntax error mid-file among them.
   * disk_full_checkpoint  the train job's checkpoint directory on a tmpfs that fills while a
                checkpoint is written; the job must fail naming the file, leave no partial or
                unverifiable checkpoint; space is made; the rerun resumes from the last good one.
@@ -280,17 +281,22 @@ def bad_records_check(workdir: Path, rng: random.Random, examples: int) -> dict:
         "missing_messages": lambda i: {"id": f"b{i}"},
         "not_an_object": lambda i: [i],
     }
+    # A record with a syntax error in the middle of the file (a missing comma): it alone is
+    # rejected, the records after it still arrive.
+    makers["invalid_json"] = lambda i: json.dumps({"id": f"b{i}", "conversations": []}).replace(",", "", 1)
     records, expected, good = [], {}, 0
     for i in range(examples):
-        if rng.random() < 0.5:
+        middle = i == examples // 2  # one malformed record in the middle for sure
+        if not middle and rng.random() < 0.5:
             records.append({"id": f"g{i}", "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]})
             good += 1
         else:
-            reason = rng.choice(sorted(makers))
+            reason = "invalid_json" if middle else rng.choice(sorted(makers))
             records.append(makers[reason](i))
             expected[reason] = expected.get(reason, 0) + 1
     source = workdir / "bad-records.json"
-    source.write_text(json.dumps(records))
+    texts = [r if isinstance(r, str) else json.dumps(r) for r in records]
+    source.write_text("[" + ", ".join(texts) + "]")
     report = ingest.ingest([{"name": "chaos", "path": str(source)}], workdir / "bad-out.jsonl", workdir / "bad-report.json")
     return {"records": len(records), "good": good, "kept": report.kept, "expected_rejected": expected,
             "rejected": dict(report.rejected), "all_good_arrived": report.kept == good,

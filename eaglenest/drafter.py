@@ -124,7 +124,16 @@ class DrafterConfig:
 
         Multimodal wrappers (Kimi-K2.5) keep the language model under ``text_config``.
         ``overrides`` replace any field (e.g. fewer heads than an MLA target has).
+
+        MLA targets (DeepSeek-V3, Kimi-K2.5: ``kv_lora_rank``, ``qk_rope_head_dim``) have no
+        Llama head to copy: their config's ``head_dim`` is the rotary part of a query/key
+        only, which would make the drafter's attention a
+        fraction of its width. The drafter, a Llama layer, takes hidden_size //
+        num_attention_heads instead, as SGLang's Llama attention does for a draft config
+        without ``head_dim``; a warning asks for an explicit shape (train.drafter).
         """
+        import warnings
+
         if not isinstance(target_config, dict):
             path = Path(target_config)
             path = path / CONFIG_NAME if path.is_dir() else path
@@ -133,11 +142,21 @@ class DrafterConfig:
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        mla = "kv_lora_rank" in cfg or "qk_rope_head_dim" in cfg
+        if mla and not {"num_attention_heads", "head_dim"} <= set(overrides):
+            warnings.warn(
+                f"MLA target ({cfg.get('model_type', 'unknown type')}): its head_dim "
+                f"{cfg.get('head_dim')} is the rotary part of MLA's query/key, so the drafter's "
+                f"attention is sized hidden_size // num_attention_heads = {hidden} // {heads}; set "
+                "train.drafter.num_attention_heads, num_key_value_heads and head_dim to choose "
+                "(SpecForge's DeepSeek-V3 drafter: 56, 8 and 128 at hidden 7168)",
+                stacklevel=2,
+            )
         values = dict(
             hidden_size=hidden,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=hidden // heads if mla else cfg.get("head_dim") or hidden // heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             draft_vocab_size=draft_vocab_size,

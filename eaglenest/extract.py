@@ -112,6 +112,13 @@ def length_batches(lengths: list[int], tokens_per_batch: int, max_rows: int | No
     return batches
 
 
+def load_target_config(target_path: str | os.PathLike):
+    """The target's text-model config (config.json only, no weights)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(target_path)).get_text_config()
+
+
 def load_target(target_path: str | os.PathLike, device: str, compute_dtype: str):
     from transformers import AutoModelForCausalLM
 
@@ -483,21 +490,24 @@ def extract_shard(
     atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
     prepared = shards.verify_shard(prepared_path, deep=True)
     started = time.perf_counter()
+    # The shape from config.json alone: a job the disk preflight refuses must not first pay
+    # for loading the weights (minutes for a large target).
+    target_config = model.config if model is not None else load_target_config(target_path)
+    if expected_shape is not None and expected_shape != (target_config.num_hidden_layers, target_config.hidden_size):
+        raise ValueError(
+            f"config says the target has (num_layers, hidden_size)={expected_shape}, the model at "
+            f"{target_path} has {(target_config.num_hidden_layers, target_config.hidden_size)}"
+        )
+    layer_ids = resolve_layer_ids(layer_ids, target_config.num_hidden_layers)
+    hidden = target_config.hidden_size
+    bytes_per_token = shards.hidden_bytes_per_token(hidden, len(layer_ids), dtype)
+    if check_disk:
+        log.info("preflight: %s", preflight(hidden_path, prepared_path, bytes_per_token, disk_reserve_bytes))
     if model is None:
         device = pick_device(device)
         compute_dtype = compute_dtype or ("float32" if device == "cpu" else "bfloat16")
         model = load_target(target_path, device, compute_dtype)
     device = str(next(model.parameters()).device)
-    if expected_shape is not None and expected_shape != (model.config.num_hidden_layers, model.config.hidden_size):
-        raise ValueError(
-            f"config says the target has (num_layers, hidden_size)={expected_shape}, the model at "
-            f"{target_path} has {(model.config.num_hidden_layers, model.config.hidden_size)}"
-        )
-    layer_ids = resolve_layer_ids(layer_ids, model.config.num_hidden_layers)
-    hidden = model.config.hidden_size
-    bytes_per_token = shards.hidden_bytes_per_token(hidden, len(layer_ids), dtype)
-    if check_disk:
-        log.info("preflight: %s", preflight(hidden_path, prepared_path, bytes_per_token, disk_reserve_bytes))
     layout = resolve_layout(model, layout)
     loaded = time.perf_counter()
     counts = prepared.token_counts

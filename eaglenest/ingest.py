@@ -3,9 +3,12 @@
 Input formats (auto-detected per file):
   * ShareGPT JSON: a top-level array of ``{"id", "conversations": [{"from", "value"}]}``.
     Parsed streaming, record by record, so a file truncated mid-record (the shipped
-    ShareGPT V3 file is) yields every complete record and a truncation note.
+    ShareGPT V3 file is) yields every complete record and a truncation note, and a
+    malformed record in the middle (a missing comma) is rejected alone as ``invalid_json``,
+    with its position, while every record after it is still read. A UTF-8 byte-order
+    mark is skipped in both formats.
   * JSONL: one object per line, either OpenAI style ``{"id"?, "messages": [{"role",
-    "content"}]}`` or ShareGPT style as above.
+    "content"}]}`` (``content`` a string or a list of text parts) or ShareGPT style as above.
 
 Output (``conversations.jsonl``): one ``{"sample_id", "messages": [{"role",
 "content"}]}`` per line, roles in {system, user, assistant}, in source order.
@@ -19,6 +22,7 @@ import collections
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -57,6 +61,22 @@ class IngestReport:
             "repaired": dict(sorted(self.repaired.items())),
         }
 
+    def console_summary(self) -> str | None:
+        """One line for the Snakemake console when anything was rejected, capped or cut off;
+        None when every record was kept."""
+        cut = [note["name"] for note in self.files if note.get("truncated")]
+        if not (self.rejected or self.capped or cut):
+            return None
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.rejected.items()))
+        parts = [f"ingest: kept {self.kept} of {self.records_read} records"]
+        if self.rejected:
+            parts.append(f"rejected {sum(self.rejected.values())} ({reasons})")
+        if self.capped:
+            parts.append(f"{self.capped} over data.max_conversations")
+        if cut:
+            parts.append(f"truncated source(s): {', '.join(cut)}")
+        return "; ".join(parts)
+
 
 class BadRecord(ValueError):
     def __init__(self, reason: str):
@@ -64,17 +84,44 @@ class BadRecord(ValueError):
         self.reason = reason
 
 
+# A JSON string, or one bracket outside strings: enough to find where a top-level element ends.
+ELEMENT_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[{}\[\]]')
+# Where a top-level element that is not an object or array ends.
+SCALAR_END = re.compile(r"[,\]\n]")
+
+
+def element_end(buffer: str, start: int) -> int | None:
+    """Index just past the top-level element that starts at ``start``, from its brackets
+    alone (strings skipped), or None when the buffer ends first. A record with a syntax
+    error inside (a missing comma) still closes its brackets, so parsing resumes at the
+    next record instead of losing the rest of the file."""
+    if buffer[start] not in "{[":
+        scalar = SCALAR_END.search(buffer, start + 1)
+        return scalar.start() if scalar else None
+    depth = 0
+    for token in ELEMENT_TOKEN.finditer(buffer, start):
+        bracket = token.group()
+        if bracket in "{[":
+            depth += 1
+        elif bracket in "}]":
+            depth -= 1
+            if depth <= 0:
+                return token.end()
+    return None
+
+
 def iter_json_array(path: Path, file_note: dict) -> Iterator[object]:
     """Yield the elements of a top-level JSON array, reading in chunks.
 
     A truncated tail ends the iteration and is recorded in ``file_note``
-    (byte offset of the first unparsed byte, bytes left) instead of raising.
-    A syntax error in the middle is treated the same way: everything before it
-    is kept and the note says where parsing stopped.
+    (character offset of the first unparsed character, characters left) instead of raising.
+    A malformed element in the middle is yielded as ``BadRecord("invalid_json")``, its
+    position listed in ``file_note["bad_json_records"]``, and parsing goes on after it.
     """
     decoder = json.JSONDecoder()
     size = os.path.getsize(path)
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
+    # utf-8-sig: a byte-order mark (common in files saved on Windows) is not content.
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as handle:
         buffer = handle.read(READ_CHUNK)
         consumed = 0  # characters dropped from the front of buffer
         eof = len(buffer) < READ_CHUNK
@@ -82,6 +129,7 @@ def iter_json_array(path: Path, file_note: dict) -> Iterator[object]:
         if pos < 0:
             raise BadRecord("not_a_json_array")
         pos += 1
+        index = 0  # position of the element in the array
         while True:
             while True:
                 while pos < len(buffer) and buffer[pos] in " \t\r\n,":
@@ -101,24 +149,34 @@ def iter_json_array(path: Path, file_note: dict) -> Iterator[object]:
             try:
                 obj, end = decoder.raw_decode(buffer, pos)
             except json.JSONDecodeError as exc:
-                if not eof:
+                closed_at = element_end(buffer, pos)
+                # An unterminated string or an element still open may only be cut by the
+                # read chunk: read on before calling it malformed.
+                if not eof and (closed_at is None or exc.msg.startswith("Unterminated string")):
                     buffer, pos, consumed = buffer[pos:], 0, consumed + pos
                     more = handle.read(READ_CHUNK)
                     eof = len(more) < READ_CHUNK
                     buffer += more
                     continue
-                file_note["truncated"] = True
-                file_note["unparsed_from_char"] = consumed + pos
-                file_note["unparsed_chars"] = len(buffer) - pos
-                file_note["parse_error"] = exc.msg
-                file_note["file_bytes"] = size
-                return
+                # Nothing after the element, or a string open to the end: the file is cut.
+                if closed_at is None or exc.msg.startswith("Unterminated string") or not buffer[closed_at:].strip():
+                    file_note["truncated"] = True
+                    file_note["unparsed_from_char"] = consumed + pos
+                    file_note["unparsed_chars"] = len(buffer) - pos
+                    file_note["parse_error"] = exc.msg
+                    file_note["file_bytes"] = size
+                    return
+                file_note.setdefault("bad_json_records", []).append(
+                    {"record": index, "from_char": consumed + pos, "chars": closed_at - pos, "error": exc.msg}
+                )
+                obj, end = BadRecord("invalid_json"), closed_at
             yield obj
+            index += 1
             pos = end
 
 
 def iter_jsonl(path: Path, file_note: dict) -> Iterator[object]:
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
+    with open(path, "r", encoding="utf-8-sig", errors="replace") as handle:
         for line_no, line in enumerate(handle, 1):
             if not line.strip():
                 continue
@@ -138,6 +196,24 @@ def iter_source_records(path: Path, file_note: dict) -> Iterator[object]:
 def _content_hash(messages: list[dict]) -> str:
     blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def text_of(content: object) -> str:
+    """A turn's text: a string, or OpenAI chat's list of parts whose text parts are joined
+    (with newlines, as OpenAI-compatible servers flatten them). A part that is not text (an
+    image, audio) has no place in a text drafter's data: the record is rejected for it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise BadRecord("non_string_content")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type", "text") != "text":
+            raise BadRecord("non_text_content" if isinstance(part, dict) else "non_string_content")
+        if not isinstance(part.get("text"), str):
+            raise BadRecord("non_string_content")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def normalise(record: object, leading_assistant: str) -> tuple[str | None, list[dict], list[str]]:
@@ -161,9 +237,7 @@ def normalise(record: object, leading_assistant: str) -> tuple[str | None, list[
         role = ROLE_ALIASES.get(str(turn[role_key]).strip().lower())
         if role is None:
             raise BadRecord("unknown_role")
-        content = turn[text_key]
-        if not isinstance(content, str):
-            raise BadRecord("non_string_content")
+        content = text_of(turn[text_key])
         if not content.strip():
             raise BadRecord("empty_turn")
         messages.append({"role": role, "content": content})

@@ -20,3 +20,10 @@ def to_file(log_path: str):
     )
     logging.captureWarnings(True)
     return stream
+
+
+def to_console(message: str) -> None:
+    """A warning that also reaches the Snakemake console, not only the job's log: to_file
+    sends stderr to the log, the interpreter's own stderr is still the console's."""
+    logging.getLogger("eaglenest").warning(message)
+    print(f"eaglenest: {message}", file=sys.__stderr__, flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
@@ -132,3 +133,51 @@ def describe(config: dict, numbers: dict) -> str:
         f"{numbers['num_shards']} shards, {numbers['tokens']:,} tokens ({numbers['tokens_source']}), "
         f"{numbers['bytes_per_token']:,} B/token -> {human_bytes(numbers['hidden_bytes'])} of hidden states"
     )
+
+
+# Left in a configured hidden-state directory: names the run it belongs to, and keeps the
+# directory from ever being empty. Snakemake (9.27) removes the empty directory of a missing
+# output after a run with os.removedirs, which fails with NotADirectoryError on a link.
+HIDDEN_DIR_MARKER = ".eaglenest-hidden-states"
+
+
+class HiddenDirError(ValueError):
+    pass
+
+
+def link_hidden_dir(run_dir: str | os.PathLike, configured: str | os.PathLike | None, run: str) -> Path:
+    """Make ``run_dir/hidden`` lead to the hidden states' directory and return that directory.
+
+    ``configured`` (extract.hidden_dir) None: run_dir/hidden itself. Else run_dir/hidden
+    becomes a link to it; the shard paths every rule and Snakemake's records use stay the
+    same, so shards moved there are not made again. Shards still in a real run_dir/hidden
+    are never moved or deleted here: the error says how to move them.
+    """
+    link = Path(run_dir) / "hidden"
+    if configured is None:
+        target = link.resolve() if link.is_symlink() else link
+    else:
+        target = Path(configured).absolute()
+        if link.is_symlink():
+            if link.resolve() != target.resolve():
+                raise HiddenDirError(
+                    f"{link} links to {os.readlink(link)}, extract.hidden_dir says {configured}: "
+                    f"move the shards there, then `rm {link}` (the link only) and rerun"
+                )
+        elif link.exists():
+            if any(link.iterdir()):
+                raise HiddenDirError(
+                    f"extract.hidden_dir is {configured}, but {link} holds hidden shards: move them with "
+                    f"`mkdir -p {configured} && mv {link}/* {configured}/ && rmdir {link}`, then rerun "
+                    "(moved shards are not made again)"
+                )
+            link.rmdir()
+        target.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target, target_is_directory=True)
+    if link.is_symlink():
+        marker = target / HIDDEN_DIR_MARKER
+        if target.is_dir() and not marker.exists():
+            marker.write_text(f"hidden states of eaglenest run {run} ({link.absolute()})\n")
+    return target

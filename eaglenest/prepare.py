@@ -77,27 +77,23 @@ def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list
     return list(encoded["input_ids"]), mask
 
 
-def prepare(
-    conversations_paths: str | os.PathLike | list,
-    target_path: str | os.PathLike,
-    output_paths: list[str],
-    report_path: str | os.PathLike,
-    max_len: int,
-    target_name: str,
-) -> dict:
-    """Tokenize every conversation and write one prepared shard per output path.
-
-    ``output_paths[i]`` is shard i; the number of paths is the number of shards.
-    ``conversations_paths``: the ingested conversations, or the regenerated shards.
-    """
+def shard_conversations(conversations_paths, shard_id: int, num_shards: int) -> list[dict]:
+    """The conversations of ``shard_id`` (by the hash of their sample id) in the given files."""
     if isinstance(conversations_paths, (str, os.PathLike)):
         conversations_paths = [conversations_paths]
-    tokenizer = load_tokenizer(target_path)
-    num_shards = len(output_paths)
-    buckets: list[list[dict]] = [[] for _ in range(num_shards)]
+    return [
+        conversation
+        for path in conversations_paths
+        for conversation in read_conversations(path)
+        if shard_of(conversation["sample_id"], num_shards) == shard_id
+    ]
+
+
+def tokenize_samples(tokenizer, conversations, max_len: int) -> tuple[list[dict], dict]:
+    """Samples of the conversations (sorted by id) and the counts of what was cut or dropped."""
+    samples = []
     dropped: collections.Counter = collections.Counter()
     truncated = 0
-    conversations = (c for path in conversations_paths for c in read_conversations(path))
     for conversation in conversations:
         try:
             input_ids, loss_mask = tokenize_with_mask(tokenizer, conversation["messages"])
@@ -110,25 +106,91 @@ def prepare(
         if not any(loss_mask):
             dropped["no_assistant_tokens_within_max_len"] += 1
             continue
-        sample = {"sample_id": conversation["sample_id"], "input_ids": input_ids, "loss_mask": loss_mask}
-        buckets[shard_of(sample["sample_id"], num_shards)].append(sample)
-    per_shard = []
-    meta = {"target": target_name, "max_len": max_len, "num_shards": num_shards}
-    for shard_id, (path, samples) in enumerate(zip(output_paths, buckets)):
-        samples.sort(key=lambda s: s["sample_id"])
-        shards.write_prepared_shard(path, shard_id, samples, meta)
+        samples.append({"sample_id": conversation["sample_id"], "input_ids": input_ids, "loss_mask": loss_mask})
+    samples.sort(key=lambda s: s["sample_id"])
+    return samples, {"truncated_to_max_len": truncated, "dropped": dict(sorted(dropped.items()))}
+
+
+def write_shard(path, shard_id: int, num_shards: int, samples: list[dict], counts: dict, max_len: int,
+                target_name: str) -> None:
+    # What was cut or dropped travels in the shard's own header (PREPARE_COUNTS_KEY), so the
+    # stage's report is a sum over the shards and each shard job stays on its own.
+    meta = {"target": target_name, "max_len": max_len, "num_shards": num_shards, shards.PREPARE_COUNTS_KEY: counts}
+    shards.write_prepared_shard(path, shard_id, samples, meta)
+
+
+def prepare_shard(
+    conversations_paths: str | os.PathLike | list,
+    target_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    shard_id: int,
+    num_shards: int,
+    max_len: int,
+    target_name: str,
+) -> dict:
+    """Tokenize the conversations of one shard and write its prepared shard (rule prepare).
+
+    ``conversations_paths``: the ingested conversations (all shards; this one's are picked
+    by the hash of their ids), or this shard's regenerated conversations.
+    """
+    tokenizer = load_tokenizer(target_path)
+    conversations = shard_conversations(conversations_paths, shard_id, num_shards)
+    samples, counts = tokenize_samples(tokenizer, conversations, max_len)
+    write_shard(output_path, shard_id, num_shards, samples, counts, max_len, target_name)
+    return {"shard_id": shard_id, "samples": len(samples), "tokens": sum(len(s["input_ids"]) for s in samples), **counts}
+
+
+def prepare(
+    conversations_paths: str | os.PathLike | list,
+    target_path: str | os.PathLike,
+    output_paths: list[str],
+    report_path: str | os.PathLike,
+    max_len: int,
+    target_name: str,
+) -> dict:
+    """Every shard in one process (tests, tools): the same shards as one prepare_shard per
+    path, and the report of summarize. ``output_paths[i]`` is shard i."""
+    if isinstance(conversations_paths, (str, os.PathLike)):
+        conversations_paths = [conversations_paths]
+    tokenizer = load_tokenizer(target_path)
+    num_shards = len(output_paths)
+    buckets: list[list[dict]] = [[] for _ in range(num_shards)]
+    for conversation in (c for path in conversations_paths for c in read_conversations(path)):
+        buckets[shard_of(conversation["sample_id"], num_shards)].append(conversation)
+    for shard_id, (path, conversations) in enumerate(zip(output_paths, buckets)):
+        samples, counts = tokenize_samples(tokenizer, conversations, max_len)
+        write_shard(path, shard_id, num_shards, samples, counts, max_len, target_name)
+    return summarize(output_paths, report_path)
+
+
+def summarize(prepared_paths: list, report_path: str | os.PathLike) -> dict:
+    """The stage's report from the prepared shards' headers alone (rule prepare_report).
+
+    Shards written before prepare ran per shard carry no counts of what was cut or dropped:
+    they are listed in ``shards_without_drop_counts`` and left out of those two totals.
+    """
+    per_shard, truncated, dropped, uncounted = [], 0, collections.Counter(), []
+    meta = {}
+    for path in prepared_paths:
+        _, meta = shards.read_header(path)
+        counts = meta.get(shards.PREPARE_COUNTS_KEY)
+        if counts is None:
+            uncounted.append(meta["shard_id"])
+        else:
+            truncated += counts["truncated_to_max_len"]
+            dropped.update(counts["dropped"])
         per_shard.append(
             {
-                "shard_id": shard_id,
-                "samples": len(samples),
-                "tokens": sum(len(s["input_ids"]) for s in samples),
-                "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+                "shard_id": meta["shard_id"],
+                "samples": len(meta["sample_ids"]),
+                "tokens": sum(meta["token_counts"]),
+                "loss_tokens": sum(meta["loss_token_counts"]),
             }
         )
     report = {
-        "target": target_name,
-        "max_len": max_len,
-        "num_shards": num_shards,
+        "target": meta.get("target"),
+        "max_len": meta.get("max_len"),
+        "num_shards": len(per_shard),
         "samples": sum(s["samples"] for s in per_shard),
         "tokens": sum(s["tokens"] for s in per_shard),
         "loss_tokens": sum(s["loss_tokens"] for s in per_shard),
@@ -136,6 +198,8 @@ def prepare(
         "dropped": dict(sorted(dropped.items())),
         "shards": per_shard,
     }
+    if uncounted:
+        report["shards_without_drop_counts"] = uncounted
     atomic.write_json(report_path, report)
     return report
 

@@ -51,6 +51,14 @@ LATER_STAGES = {
     "export": ("export", Path("export")),
     "eval": ("evaluate", Path("evaluate")),
 }
+# The jobs after consolidate whose outputs recon checks, in order: rule -> (its outputs under
+# results/<run>/, the rule whose outputs it reads). A directory output counts only with its
+# config.json and an intact model.safetensors: Snakemake sees the directory and plans nothing.
+LATER_JOBS = {
+    "train_drafter": (("train/drafter", "train/training_summary.json"), "consolidate"),
+    "export_drafter": (("export/sglang", "export/vllm", "export/export_report.json"), "train_drafter"),
+    "evaluate_summary": (("evaluate/summary.json", "evaluate/summary.tsv"), "train_drafter"),
+}
 NVIDIA_SMI_GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
 NVIDIA_SMI_APPS_QUERY = "gpu_uuid,pid,process_name,used_memory"
 
@@ -575,6 +583,13 @@ def _run_dir(workdir: Path, config: dict) -> Path:
     return workdir / "results" / config["run"]
 
 
+def hidden_location(config: dict, workdir: Path) -> Path:
+    """Where the hidden shards are stored: extract.hidden_dir, which results/<run>/hidden links
+    to once the workflow has run, else results/<run>/hidden."""
+    configured = config["extract"].get("hidden_dir")
+    return workdir / configured if configured else _run_dir(workdir, config) / "hidden"
+
+
 def _shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:05d}.safetensors"
 
@@ -651,6 +666,63 @@ def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str, deep: bool 
     return entry
 
 
+def output_problem(path: Path) -> str | None:
+    """What is wrong with a finished output of a later stage, from its files alone; None if fine."""
+    if path.suffix in (".json", ".tsv"):
+        if not path.is_file():
+            return "missing"
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_text())
+            except (ValueError, OSError) as err:
+                return f"not valid JSON ({err})"
+        return None
+    if not path.is_dir() or not any(path.iterdir()):
+        return "missing"
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            return f"{name} missing"
+    return _safetensors_intact(path / "model.safetensors")
+
+
+def _output_mtime(path: Path) -> float:
+    # Snakemake dates a directory output by the timestamp file it leaves inside.
+    stamp = path / ".snakemake_timestamp"
+    return (stamp if stamp.exists() else path).stat().st_mtime
+
+
+def later_jobs(config: dict, run_dir: Path, repo: Path, predicted: dict, marked) -> tuple[dict, list]:
+    """The train, export and evaluate jobs snakemake will plan, and the damaged outputs it will not
+    see (to remove first): {rule: 1}, [(rule, path, problem)]."""
+    snakefile = repo / "Snakefile"
+    included = snakefile.read_text() if snakefile.exists() else ""
+    enabled = {
+        "train_drafter": '"rules/train.smk"' in included,
+        "export_drafter": '"rules/export.smk"' in included,
+        "evaluate_summary": '"rules/evaluate.smk"' in included and config["evaluate"]["enabled"],
+    }
+    consolidated = [run_dir / "consolidated" / n for n in ("index.json", "draft_vocab.safetensors", "split.json")]
+    inputs = {"consolidate": consolidated, "train_drafter": [run_dir / "train" / "drafter"]}
+    if config["evaluate"].get("drafter"):
+        enabled["evaluate_summary"] = False  # evaluates a drafter trained elsewhere: not this chain
+    planned, damaged = {}, []
+    for rule, (outputs, upstream) in LATER_JOBS.items():
+        if not enabled[rule]:
+            continue
+        paths = [run_dir / o for o in outputs]
+        problems = [(p, output_problem(p)) for p in paths]
+        for path, problem in problems:
+            if problem and problem != "missing":
+                damaged.append((rule, path, problem))
+        upstream_runs = upstream in predicted or upstream in planned
+        upstream_times = [_output_mtime(p) for p in inputs.get(upstream, []) if p.exists()]
+        missing = any(problem for _, problem in problems)
+        newer_input = not missing and max(upstream_times, default=0.0) > min(_output_mtime(p) for p in paths)
+        if upstream_runs or missing or newer_input or marked(paths):
+            planned[rule] = 1
+    return planned, damaged
+
+
 def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path = REPO) -> dict:
     """Shards done / missing / partial / corrupt / incomplete and what ``snakemake -n`` will plan."""
     if deep:
@@ -660,8 +732,11 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     num_shards = plan.num_shards(config)
     layer_ids = plan.layer_ids(config)
     expect = {"target": config["target"]["name"], "layer_ids": layer_ids, "dtype": config["extract"]["dtype"]}
+    # Shard paths as the workflow names them (results/<run>/hidden, a link with extract.hidden_dir);
+    # read where they are stored.
     hidden_dir, prepared_dir = run_dir / "hidden", run_dir / "prepared" / plan.prepared_key(config)
-    hidden_leftovers, prepared_leftovers = _leftovers(hidden_dir), _leftovers(prepared_dir)
+    stored_dir = hidden_location(config, workdir)
+    hidden_leftovers, prepared_leftovers = _leftovers(stored_dir), _leftovers(prepared_dir)
     incomplete = {m["path"] for m in incomplete_markers(workdir) if m["exists"]}
     prepare_report_path = prepared_dir / "prepare_report.json"
     per_shard_plan: dict[int, dict] = {}
@@ -670,15 +745,15 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
             per_shard_plan = {s["shard_id"]: s for s in json.loads(prepare_report_path.read_text())["shards"]}
 
     # One directory scan instead of a stat per shard: 10,000 shards stay well under a second.
-    hidden_mtimes, prepared_mtimes = _mtimes(hidden_dir), _mtimes(prepared_dir)
+    hidden_mtimes, prepared_mtimes = _mtimes(stored_dir), _mtimes(prepared_dir)
     hidden_rel = str(hidden_dir.relative_to(workdir))
     rows = []
     for shard_id in range(num_shards):
         name = _shard_name(shard_id)
-        hidden = os.path.join(hidden_dir, name)
+        hidden = os.path.join(stored_dir, name)
         rel = f"{hidden_rel}/{name}"
         row = {"shard": shard_id, "path": rel, "state": None, "samples": 0, "tokens": 0, "reason": None,
-               "leftovers": [str(p.relative_to(workdir)) for p in hidden_leftovers.get(name, [])]}
+               "leftovers": [f"{hidden_rel}/{p.name}" for p in hidden_leftovers.get(name, [])]}
         row["writing"] = any(_writer_alive(p) for p in hidden_leftovers.get(name, []))
         if name in hidden_mtimes:
             try:
@@ -746,13 +821,22 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     if stale(ingest_outputs, mtimes(source_paths)) or marked(ingest_outputs):
         predicted["ingest"] = 1
     prepared_rel = str(prepared_dir.relative_to(workdir))
-    prepare_stale = bool(prepared_missing) or "prepare_report.json" not in prepared_mtimes or (
-        max(mtimes(ingest_outputs[:1]), default=0.0)
-        > min(t for n, t in prepared_mtimes.items() if n in shard_names or n == "prepare_report.json")
-    )
-    prepare_marked = any(path.startswith(prepared_rel + "/") for path in incomplete)
-    if "ingest" in predicted or prepare_stale or prepare_marked:
-        predicted["prepare"] = 1
+    # One prepare job per shard: all of them after new conversations, else the missing ones
+    # and those Snakemake marked incomplete; then the report that sums their headers.
+    conversations_time = max(mtimes(ingest_outputs[:1]), default=0.0)
+    prepare_shards = {
+        i for i in range(num_shards)
+        if "ingest" in predicted or _shard_name(i) not in prepared_mtimes
+        or prepared_mtimes[_shard_name(i)] < conversations_time
+        or f"{prepared_rel}/{_shard_name(i)}" in incomplete
+    }
+    if prepare_shards:
+        predicted["prepare"] = len(prepare_shards)
+    report_time = prepared_mtimes.get("prepare_report.json")
+    if prepare_shards or report_time is None or report_time < max(
+        (t for n, t in prepared_mtimes.items() if n in shard_names), default=0.0
+    ) or f"{prepared_rel}/prepare_report.json" in incomplete:
+        predicted["prepare_report"] = 1
     if to_build:
         predicted["extract_hidden_states"] = len(to_build)
     consolidate_inputs = [t for n, t in hidden_mtimes.items() if n in shard_names]
@@ -770,6 +854,8 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     else:
         index_state["state"] = "missing"
     later = {key: _later_stage(workdir, run_dir, repo, key, deep) for key in LATER_STAGES}
+    later_planned, later_damaged = later_jobs(config, run_dir, repo, predicted, marked)
+    predicted.update(later_planned)
 
     steps = []
     corrupt_paths = [rows[i]["path"] for i in rebuild_after_rm]
@@ -786,7 +872,13 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
         steps.append({"command": f"rm -r {later['drafter']['path']}",
                       "why": f"the trained drafter is corrupt ({later['drafter']['problem']}); "
                              "the rerun resumes training from its last checkpoint and writes it again"})
-    if any(r["state"] == "corrupt" for r in rows) or later["drafter"]["state"] == "corrupt":
+    for rule, path, problem in later_damaged:
+        if rule == "train_drafter" and later["drafter"]["state"] == "corrupt":
+            continue  # the deep check's step above says it
+        rel = str(path.relative_to(workdir))
+        steps.append({"command": f"rm -r {rel}" if path.is_dir() else f"rm {rel}",
+                      "why": f"{rel} is damaged ({problem}); snakemake sees it exists and would not make it again"})
+    if any(r["state"] == "corrupt" for r in rows) or later["drafter"]["state"] == "corrupt" or later_damaged:
         status = BLOCK
     elif predicted or stale_temps:
         status = WARN
@@ -800,6 +892,8 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     summary = (f"{num_shards} shards ({'deep' if deep else 'header'} check): {counts}; "
                f"samples {samples_done:,}/{'?' if samples_total is None else format(samples_total, ',')}")
     summary += f", tokens {tokens_done:,}/{tokens_total:,}"
+    if later_damaged:
+        summary += "; damaged: " + ", ".join(f"{path.relative_to(workdir)} ({problem})" for _, path, problem in later_damaged)
     return {
         "status": status,
         "summary": summary,
@@ -824,6 +918,8 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
         "draft_vocab": "done" if consolidate_outputs[1].exists() else "missing",
         "split": "done" if consolidate_outputs[2].exists() else "missing",
         "later_stages": later,
+        "later_damaged": [{"rule": rule, "path": str(path.relative_to(workdir)), "problem": problem}
+                          for rule, path, problem in later_damaged],
         "steps": steps,
     }
 
@@ -880,7 +976,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 def check_disk(config: dict, workdir: Path, workflow: dict) -> dict:
     """Free space where the hidden shards go vs what the extract preflight will ask for."""
-    location = _existing_ancestor(_run_dir(workdir, config) / "hidden")
+    location = _existing_ancestor(hidden_location(config, workdir))
     free = shutil.disk_usage(location).free
     shards_left = len(workflow["to_build"]) + len(workflow["rebuild_after_rm"])
     needed = workflow["remaining_tokens"] * workflow["bytes_per_token"]
@@ -1095,18 +1191,19 @@ def verdict(sections: dict, configfiles: list[str], workdir: Path) -> dict:
         if jobs:
             extra = ("--rerun-incomplete",) if smk["rerun_incomplete"] else ()
             planned = ", ".join(f"{rule} {count}" for rule, count in jobs.items())
-            steps.append({
-                "command": snakemake_command(configfiles, workdir, "--cores", "all", *extra),
-                "why": f"{left} shards left ({planned}), {plan.human_bytes(disk['needed_bytes'])} needed, "
-                       f"{plan.human_bytes(disk['free_bytes'])} free",
-            })
+            if left:
+                why = (f"{left} shards left ({planned}), {plan.human_bytes(disk['needed_bytes'])} needed, "
+                       f"{plan.human_bytes(disk['free_bytes'])} free")
+            else:
+                why = f"hidden states complete; to run: {planned}"
+            steps.append({"command": snakemake_command(configfiles, workdir, "--cores", "all", *extra), "why": why})
     first = next((s for s in steps if s.get("command")), None)
     if blockers and steps and not steps[0].get("command"):
         next_command = f"(by hand) {steps[0]['why']}"
     elif first:
         next_command = first["command"]
     else:
-        next_command = "nothing to run: every planned output exists and verifies"
+        next_command = "nothing to run: every planned output, through evaluation, exists and verifies"
     return {"ready": not blockers, "blockers": blockers, "steps": steps, "next_command": next_command}
 
 
@@ -1195,7 +1292,9 @@ def render(report: dict, width: int = 120) -> str:
                                       f"{holder['cmdline']}", width))
     result = report["verdict"]
     lines.append("")
-    lines.append("Verdict: ready to resume" if result["ready"] else f"Verdict: BLOCKED: {result['blockers'][0]}")
+    finished = result["ready"] and result["next_command"].startswith("nothing to run")
+    lines.append("Verdict: finished" if finished else "Verdict: ready to resume" if result["ready"]
+                 else f"Verdict: BLOCKED: {result['blockers'][0]}")
     for blocker in result["blockers"][1:3]:
         lines.append(_shorten(f"         also: {blocker}", width))
     if result["steps"]:

@@ -39,9 +39,8 @@ from pathlib import Path
 
 from eaglenest import atomic
 from eaglenest.extract import length_batches
-from eaglenest.ingest import read_conversations
 from eaglenest.plan import REGENERATION_CONTENT
-from eaglenest.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_of
+from eaglenest.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_conversations
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +298,6 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
     counts["failures"] = failures
     counts["dropped_conversations"] = sorted(work[i]["sample_id"] for i in dropped)
     return kept, counts
-
-
-def shard_conversations(conversations_path: str | os.PathLike, shard_id: int, num_shards: int) -> list[dict]:
-    """The conversations that prepare will put in ``shard_id`` (same hash, same count)."""
-    return [c for c in read_conversations(conversations_path) if shard_of(c["sample_id"], num_shards) == shard_id]
 
 
 def regenerate_shard(

@@ -239,6 +239,16 @@ class _ShardRequests:
             leftover.unlink(missing_ok=True)
 
 
+def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
+                   disk_reserve_bytes: int) -> dict:
+    """extract.preflight for a shard of a server with this target shape (from the run's config)."""
+    layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+    bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
+    numbers = extract.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
+    log.info("preflight: %s", numbers)
+    return numbers
+
+
 def extract_shard_via_server(
     prepared_path: str | os.PathLike,
     hidden_path: str | os.PathLike,
@@ -267,11 +277,11 @@ def extract_shard_via_server(
     prepared = shards.verify_shard(prepared_path, deep=True)
     layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
     started = time.perf_counter()
+    if check_disk:  # before the server is asked anything: a refused shard costs nothing
+        disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size, num_layers, dtype, disk_reserve_bytes)
     info = check_server(url, target_name, layer_ids, hidden_size)
     log.info("server %s: %s", url, info)
     bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
-    if check_disk:
-        log.info("preflight: %s", extract.preflight(hidden_path, prepared_path, bytes_per_token, disk_reserve_bytes))
     tensors = prepared.tensors(shards.PREPARED_TENSORS)
     counts, offsets, input_ids = prepared.token_counts, tensors["offsets"], tensors["input_ids"]
     storage = shards.STORAGE_DTYPES[dtype]

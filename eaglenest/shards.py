@@ -154,6 +154,10 @@ def _offsets(token_counts: list[int]) -> torch.Tensor:
     return offsets
 
 
+# Header key of a prepared shard: samples its prepare job truncated to max_len or dropped.
+PREPARE_COUNTS_KEY = "prepare_counts"
+
+
 def write_prepared_shard(
     path: str | os.PathLike,
     shard_id: int,
@@ -181,7 +185,10 @@ def write_prepared_shard(
 
 
 def _hidden_header(prepared: "ShardReader", meta: Mapping) -> dict:
-    header = {k: v for k, v in prepared.metadata.items() if k not in ("kind", "checksums", "format", "format_version")}
+    # prepare's counts describe the prepare job, not the states: hidden shards stay the same
+    # bytes whether their prepared shard carries them or not.
+    skipped = ("kind", "checksums", "format", "format_version", PREPARE_COUNTS_KEY)
+    header = {k: v for k, v in prepared.metadata.items() if k not in skipped}
     header.update(meta)
     header["kind"] = "hidden"
     return header

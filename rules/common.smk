@@ -10,6 +10,8 @@ from eaglenest import plan
 validate(config, schema="../config/schema.yaml")
 
 RUN_DIR = Path("results") / config["run"]
+# extract.hidden_dir: results/<run>/hidden becomes a link to it, before any rule names a shard.
+plan.link_hidden_dir(RUN_DIR, config["extract"]["hidden_dir"], config["run"])
 LAYER_IDS = plan.layer_ids(config)
 NUM_SHARDS = plan.num_shards(config)
 SHARD_IDS = [f"{i:05d}" for i in range(NUM_SHARDS)]
@@ -44,14 +46,11 @@ def regenerated_path(*parts):
     return run_path("regenerated", plan.regeneration_key(config), *parts)
 
 
-def regenerated_shards():
-    return expand(regenerated_path("shard-{shard}.jsonl"), shard=SHARD_IDS)
-
-
-def prepare_conversations():
-    """What prepare tokenizes: the target's own answers when regeneration is on."""
+def prepare_conversations(wildcards):
+    """What a shard's prepare job tokenizes: the shard's regenerated conversations when
+    regeneration is on (the same sharding), else all ingested conversations."""
     if plan.regeneration(config):
-        return regenerated_shards()
+        return [regenerated_path(f"shard-{wildcards.shard}.jsonl")]
     return [run_path("data", "conversations.jsonl")]
 
 

@@ -108,21 +108,20 @@ rule regenerate_report:
         "../scripts/regenerate_report.py"
 
 
+# One job per shard (a rule with one output per shard makes Snakemake's DAG grow with the
+# square of the shard count). Each job reads the conversations and keeps its shard's by the
+# hash of their ids; input, params and output paths are those of the single prepare job of
+# earlier releases, so their finished shards are not prepared (or extracted) again.
 rule prepare:
     input:
-        conversations=prepare_conversations(),
+        conversations=prepare_conversations,
         target=target_model_input(),
     output:
-        shards=prepared_shards(),
-        report=report(
-            prepared_path("prepare_report.json"),
-            caption="../report/prepare.rst",
-            category="Data",
-        ),
+        prepared_path("shard-{shard}.safetensors"),
     log:
-        log_path("prepare.log"),
+        log_path("prepare", "shard-{shard}.log"),
     benchmark:
-        benchmark_path("prepare.tsv")
+        benchmark_path("prepare", "shard-{shard}.tsv")
     conda:
         "../envs/eaglenest.yaml"
     params:
@@ -130,3 +129,20 @@ rule prepare:
         max_len=config["data"]["max_len"],
     script:
         "../scripts/prepare.py"
+
+
+rule prepare_report:
+    input:
+        prepared_shards(),
+    output:
+        report(
+            prepared_path("prepare_report.json"),
+            caption="../report/prepare.rst",
+            category="Data",
+        ),
+    log:
+        log_path("prepare_report.log"),
+    conda:
+        "../envs/eaglenest.yaml"
+    script:
+        "../scripts/prepare_report.py"

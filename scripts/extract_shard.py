@@ -27,7 +27,20 @@ if settings["backend"] == "sglang":
     # A client of the patched SGLang server (docs/sglang.md); same shard contract.
     server = settings["sglang"]
     url = server["url"]
+    preflight_done = False
     if "server" in snakemake.input.keys():
+        if settings["preflight"]:
+            # Before waiting for the block server to load the target (minutes for Kimi).
+            sglang_client.disk_preflight(
+                snakemake.input.prepared,
+                snakemake.output[0],
+                snakemake.params.layer_ids,
+                target["hidden_size"],
+                target["num_layers"],
+                snakemake.params.dtype,
+                settings["disk_reserve_mb"] << 20,
+            )
+            preflight_done = True
         # Its block's server, started by Snakemake beside this job: wait until it is loaded.
         record = sglang_launch.wait_for_service(snakemake.input.server, server["startup_timeout_s"])
         url = record["url"]
@@ -47,7 +60,7 @@ if settings["backend"] == "sglang":
         retries=server["retries"],
         backoff_s=server["backoff_s"],
         max_consecutive_failures=server["max_consecutive_failures"],
-        check_disk=settings["preflight"],
+        check_disk=settings["preflight"] and not preflight_done,
         disk_reserve_bytes=settings["disk_reserve_mb"] << 20,
         log_stream=stream,
     )

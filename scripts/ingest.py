@@ -12,3 +12,6 @@ report = ingest.ingest(
     leading_assistant=snakemake.params.leading_assistant,
 )
 logging.info("ingest: %s", report.to_json())
+summary = report.console_summary()
+if summary:
+    joblog.to_console(f"{summary} (details: {snakemake.output.report})")

@@ -1,15 +1,21 @@
-"""Tokenize, mask and shard the conversations (rule prepare)."""
+"""Tokenize, mask and write one shard (rule prepare).
+
+The shard count comes from the config, not params: it is part of the prepared directory's
+key, and params that a run prepared before per-shard prepare did not record would plan
+every prepare job again.
+"""
 import logging
 
-from eaglenest import joblog, prepare
+from eaglenest import joblog, plan, prepare
 
 joblog.to_file(snakemake.log[0])
-report = prepare.prepare(
+stats = prepare.prepare_shard(
     list(snakemake.input.conversations),
     snakemake.config["target"]["path"],
-    list(snakemake.output.shards),
-    snakemake.output.report,
+    snakemake.output[0],
+    shard_id=int(snakemake.wildcards.shard),
+    num_shards=plan.num_shards(snakemake.config),
     max_len=snakemake.params.max_len,
     target_name=snakemake.params.target_name,
 )
-logging.info("prepare: %d samples, %d tokens in %d shards", report["samples"], report["tokens"], report["num_shards"])
+logging.info("prepare: %s", stats)

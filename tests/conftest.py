@@ -97,9 +97,10 @@ def run_snakemake(workdir: Path, configfile: Path, *args: str, check: bool = Tru
     return result
 
 
-def planned_jobs(workdir: Path, configfile: Path, *extra: str) -> dict[str, int]:
-    """Rule name -> job count that ``snakemake -n`` plans (empty when nothing is to be done)."""
-    result = run_snakemake(workdir, configfile, "-n", "--quiet", "rules", "--", *extra)
+def planned_jobs(workdir: Path, configfile: Path, *extra: str, options: tuple[str, ...] = ()) -> dict[str, int]:
+    """Rule name -> job count that ``snakemake -n`` plans (empty when nothing is to be done);
+    ``extra``: targets, ``options``: more command-line options."""
+    result = run_snakemake(workdir, configfile, "-n", *options, "--quiet", "rules", "--", *extra)
     counts = {}
     for line in (result.stdout + result.stderr).splitlines():
         parts = line.split()

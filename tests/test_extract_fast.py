@@ -178,3 +178,16 @@ def test_throughput_benchmark_runs_on_cpu(tmp_path):
     assert row["fp8_reconstruction_error"]["aux_hidden"] < 0.05
     assert row["extract_fast"]["verified"] is True
     assert 0 < row["extract_fast"]["ratio_to_tighter_ceiling"]
+
+
+def test_disk_preflight_refuses_before_the_target_loads(tmp_path, tiny_llama):
+    # The target's config.json without its weights: loading it would fail, the preflight
+    # needs only the shape and must refuse first.
+    shape_only = tmp_path / "config-only"
+    shape_only.mkdir()
+    (shape_only / "config.json").write_bytes((tiny_llama / "config.json").read_bytes())
+    hidden = tmp_path / "hidden" / "shard-00000.safetensors"
+    with pytest.raises(extract.InsufficientDiskError, match="disk preflight: the 1 missing hidden shards"):
+        extract.extract_shard(write_prepared(tmp_path), hidden, shape_only, "tiny", "default", device="cpu",
+                              disk_reserve_bytes=1 << 60)
+    assert list(hidden.parent.iterdir()) == []

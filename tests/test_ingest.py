@@ -140,3 +140,66 @@ def test_fuzzed_jsonl_lines_never_crash(tmp_path, lines):
     path.write_text("\n".join(lines))
     report, rows, on_disk = run(tmp_path, [{"name": "f", "path": str(path)}])
     assert on_disk["records_read"] == on_disk["kept"] + on_disk["rejected_total"]
+
+
+def sharegpt_text_with_missing_comma(count, bad):
+    """A pretty-printed ShareGPT array whose record ``bad`` lacks the comma after its id."""
+    texts = [json.dumps(good(i), indent=2) for i in range(count)]
+    texts[bad] = texts[bad].replace(f'"r{bad}",', f'"r{bad}"', 1)
+    return "[\n" + ",\n".join(texts) + "\n]\n", texts
+
+
+@pytest.mark.parametrize("read_chunk", [8 << 20, 97])
+def test_malformed_record_mid_file_is_rejected_alone_and_every_later_record_kept(tmp_path, monkeypatch, read_chunk):
+    monkeypatch.setattr(ingest, "READ_CHUNK", read_chunk)  # 97: the bad record spans read chunks
+    text, texts = sharegpt_text_with_missing_comma(8, bad=3)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text)
+    report, rows, on_disk = run(tmp_path, [{"name": "sg", "path": str(path)}])
+    assert [r["sample_id"] for r in rows] == [f"sg:r{i}" for i in range(8) if i != 3]
+    assert on_disk["rejected"] == {"invalid_json": 1}
+    note = on_disk["files"][0]
+    assert "truncated" not in note and note["records"] == 8
+    (bad,) = note["bad_json_records"]
+    assert bad["record"] == 3 and bad["from_char"] == text.index(texts[3]) and bad["chars"] == len(texts[3])
+    assert "delimiter" in bad["error"]
+    assert on_disk["records_read"] == on_disk["kept"] + on_disk["rejected_total"]
+    assert "invalid_json 1" in report.console_summary()
+
+
+def test_truncated_tail_after_a_malformed_record_stays_truncated(tmp_path):
+    text, texts = sharegpt_text_with_missing_comma(5, bad=1)
+    cut = text.index('"answer 4"') + 3
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut])
+    _, rows, on_disk = run(tmp_path, [{"name": "sg", "path": str(path)}])
+    assert [r["sample_id"] for r in rows] == ["sg:r0", "sg:r2", "sg:r3"]
+    note = on_disk["files"][0]
+    assert note["truncated"] is True and note["unparsed_from_char"] == text.index(texts[4])
+    assert on_disk["rejected"] == {"invalid_json": 1} and on_disk["records_read"] == 4
+
+
+def test_byte_order_mark_is_not_content_in_json_or_jsonl(tmp_path):
+    array, lines = tmp_path / "bom.json", tmp_path / "bom.jsonl"
+    array.write_text(json.dumps([good(0)]), encoding="utf-8-sig")
+    lines.write_text("\n".join(json.dumps(good(i)) for i in (1, 2)), encoding="utf-8-sig")
+    report, rows, on_disk = run(tmp_path, [{"name": "a", "path": str(array)}, {"name": "b", "path": str(lines)}])
+    assert [r["sample_id"] for r in rows] == ["a:r0", "b:r1", "b:r2"]
+    assert on_disk["rejected"] == {} and report.console_summary() is None
+
+
+def test_openai_text_parts_are_joined_and_other_parts_rejected_by_their_own_reason(tmp_path):
+    def chat(i, user_content):
+        return {"id": i, "messages": [{"role": "user", "content": user_content}, {"role": "assistant", "content": "ok"}]}
+
+    records = [
+        chat(0, [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]),
+        chat(1, [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "x.png"}}]),
+        chat(2, [{"type": "text", "text": 5}]),
+        chat(3, []),
+    ]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    _, rows, on_disk = run(tmp_path, [{"name": "oa", "path": str(path)}])
+    assert [r["messages"][0]["content"] for r in rows] == ["first\nsecond"]
+    assert on_disk["rejected"] == {"non_string_content": 2, "non_text_content": 1}

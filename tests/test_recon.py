@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import planned_jobs, run_snakemake, snakemake_command
+from conftest import planned_jobs, run_snakemake, snakemake_command, wait_until
 from eaglenest import atomic, cli, recon
 
 NO_GPU = lambda args: (_ for _ in ()).throw(OSError("no nvidia-smi"))  # noqa: E731  (a machine without GPUs)
@@ -503,3 +503,43 @@ def test_nvidia_smi_captured_on_an_h200_with_a_process_holding_memory_at_zero_ut
     # The same capture's nvidia-smi -q -x agrees on the numbers recon reads from the query format.
     xml = (FIXTURES / "h200-q.xml").read_text()
     assert "<product_name>NVIDIA H200</product_name>" in xml and f"<pid>{captured_pid}</pid>" in xml
+
+
+def test_killed_training_job_is_never_ready_with_nothing_to_run(run_copy):
+    workdir, configfile = run_copy
+    run_dir = workdir / "results" / "tiny"
+    shutil.rmtree(run_dir / "train" / "drafter")
+    (run_dir / "train" / "training_summary.json").unlink()
+    train_log = workdir / "logs" / "tiny" / "train.log"
+    train_log.unlink()
+    process = subprocess.Popen(snakemake_command(workdir, configfile, "--cores", "1"), start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The job opens its log first thing: kill the whole run while it trains.
+    started = wait_until(lambda: train_log.exists() or process.poll() is not None, 120) and train_log.exists()
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert started and not (run_dir / "train" / "drafter").exists(), "training was not in flight when killed"
+    run_snakemake(workdir, configfile, "--unlock")
+
+    report = run_recon(workdir, configfile)
+    workflow = report["sections"]["workflow"]
+    assert workflow["later_stages"]["drafter"]["state"] == "missing"
+    later = {"train_drafter", "export_drafter", "evaluate_summary"}
+    assert later <= set(workflow["predicted_jobs"]), workflow["predicted_jobs"]
+    assert later <= set(planned_jobs(workdir, configfile, options=("--rerun-incomplete",)))
+    assert not report["verdict"]["next_command"].startswith("nothing to run")
+    assert report["verdict"]["steps"][-1]["command"].startswith("snakemake --cores all")
+    assert "Verdict: finished" not in recon.render(report)
+
+
+def test_damaged_export_blocks_with_the_command_that_removes_it(run_copy):
+    workdir, configfile = run_copy
+    weights = workdir / "results" / "tiny" / "export" / "sglang" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    (workdir / "results" / "tiny" / "evaluate" / "summary.json").write_text("{")
+    report = run_recon(workdir, configfile)
+    assert not report["verdict"]["ready"]
+    damaged = {d["path"]: d["rule"] for d in report["sections"]["workflow"]["later_damaged"]}
+    assert damaged == {"results/tiny/export/sglang": "export_drafter", "results/tiny/evaluate/summary.json": "evaluate_summary"}
+    commands = [step["command"] for step in report["verdict"]["steps"]]
+    assert "rm -r results/tiny/export/sglang" in commands and "rm results/tiny/evaluate/summary.json" in commands

@@ -195,7 +195,7 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
     reference_config = tiny_workflow_config(reference_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY, data={"max_conversations": 30})
     # Two shard jobs at a time: each job is one process of one thread, so its answers do not
     # depend on what runs beside it; only the killed run below needs one job at a time.
-    run_snakemake(reference_dir, reference_config, "--cores", "2", "prepare", "regenerate_report")
+    run_snakemake(reference_dir, reference_config, "--cores", "2", "prepare_report", "regenerate_report")
     reference = regenerated_files(reference_dir)
     assert len(reference) == 2 * plan.num_shards(yaml.safe_load(reference_config.read_text()))
     summary = json.loads(next((reference_dir / "results").glob("*/regenerated/*/regenerate_report.json")).read_text())
@@ -204,7 +204,7 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
 
     # Kill the whole workflow as soon as the first shard is finished, then resume.
     configfile = tiny_workflow_config(killed_dir, tiny_llama, conversations, regenerate=REGENERATE_TINY, data={"max_conversations": 30})
-    process = subprocess.Popen(snakemake_command(killed_dir, configfile, "--cores", "1", "prepare", "regenerate_report"),
+    process = subprocess.Popen(snakemake_command(killed_dir, configfile, "--cores", "1", "prepare_report", "regenerate_report"),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         assert wait_until(lambda: len(regenerated_files(killed_dir)) >= 4, timeout=300)
@@ -215,7 +215,7 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
     assert 4 <= len(survived) < len(reference), "the kill must land mid-stage"
     time.sleep(0.01)
     run_snakemake(killed_dir, configfile, "--cores", "1", "--unlock")
-    run_snakemake(killed_dir, configfile, "--cores", "1", "--rerun-incomplete", "prepare", "regenerate_report")
+    run_snakemake(killed_dir, configfile, "--cores", "1", "--rerun-incomplete", "prepare_report", "regenerate_report")
     resumed = regenerated_files(killed_dir)
     # With one core at most one shard job was in flight: Snakemake remakes its outputs
     # (written, not yet recorded as done); every other finished shard stays untouched.
@@ -238,7 +238,7 @@ def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
     config["regenerate"] = {"enabled": True, "max_new_tokens": 16, "threads": 2, "device": "cpu"}
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
-    run_snakemake(tmp_path, configfile, "--cores", "2", "prepare", "regenerate_report")
+    run_snakemake(tmp_path, configfile, "--cores", "2", "prepare_report", "regenerate_report")
     summary = json.loads(next(tmp_path.glob("results/*/regenerated/*/regenerate_report.json")).read_text())
     assert_accounted(summary)
     assert summary["failed"] == 0 and summary["regenerated"] >= 2

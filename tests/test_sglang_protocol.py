@@ -166,3 +166,14 @@ def test_shape_mismatch_from_the_server_is_refused(standin, prepared_shard, tmp_
         sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool))
     assert_no_shard_left(hidden.parent)
     assert list(spool.iterdir()) == []
+
+
+def test_disk_preflight_refuses_before_the_server_is_asked(prepared_shard, tmp_path):
+    # No server listens at the URL: a client asking it first would fail with "no server answers".
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(extract.InsufficientDiskError, match="disk preflight"):
+        sglang_client.extract_shard_via_server(
+            prepared_shard, hidden, url="http://127.0.0.1:9",
+            **client_kwargs(tmp_path / "spool", check_disk=True, disk_reserve_bytes=1 << 60),
+        )
+    assert_no_shard_left(hidden.parent)

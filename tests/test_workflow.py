@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +17,7 @@ import yaml
 from conftest import (
     REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until,
 )
-from eaglenest import atomic
+from eaglenest import atomic, prepare
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
 # The crash and corruption tests concern the data half; stopping there keeps them short.
@@ -168,7 +170,99 @@ def test_bad_config_key_and_value_fail_with_a_clear_message(tmp_path, tiny_llama
 
 
 def test_production_config_plans_the_whole_job_without_the_model(tmp_path):
-    result = run_snakemake(tmp_path, REPO / "config" / "kimi-k2.5.yaml", "-n", "--quiet", "rules")
+    # The README's readable dry run: the plan line and the job table, no job's paths.
+    result = run_snakemake(tmp_path, REPO / "config" / "kimi-k2.5.yaml", "-n", "-q", "rules")
     assert "240 shards" in result.stderr and "57,349 B/token" in result.stderr and "TB of hidden states" in result.stderr
+    output = result.stdout + result.stderr
+    assert re.search(r"^extract_hidden_states\s+240$", output, re.M) and "shard-00001" not in output
+    assert len(output) < 5000, len(output)
     counts = planned_jobs(tmp_path, REPO / "config" / "kimi-k2.5.yaml")
     assert counts["extract_hidden_states"] == 240 and counts["consolidate"] == 1
+
+
+def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_run, tmp_path):
+    source, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir, symlinks=True)
+    settings = yaml.safe_load((workdir / "config.yaml").read_text())
+    nvme = tmp_path / "nvme" / "hidden"
+    settings["extract"]["hidden_dir"] = str(nvme)
+    moved = workdir / "moved.yaml"
+    moved.write_text(yaml.safe_dump(settings))
+    # Not moved yet: refused with the command that moves them, nothing touched.
+    refused = run_snakemake(workdir, moved, "-n", check=False)
+    assert refused.returncode != 0 and "mv results/tiny/hidden/*" in refused.stdout + refused.stderr
+    assert sorted(p.name for p in hidden_dir(workdir).iterdir()) == SHARDS
+    before = snapshot(hidden_dir(workdir))
+    nvme.parent.mkdir()
+    shutil.move(hidden_dir(workdir), nvme)  # keeps the mtimes, as mv does
+    assert planned_jobs(workdir, moved) == {}
+    assert hidden_dir(workdir).is_symlink() and hidden_dir(workdir).resolve() == nvme
+    assert {name: state[1:] for name, state in snapshot(nvme).items()} == {n: s[1:] for n, s in before.items()}
+
+
+@pytest.fixture(scope="module")
+def refused_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """One shard's run that fails: a malformed source record, then a disk preflight that refuses,
+    with extract.hidden_dir an empty directory."""
+    root = tmp_path_factory.mktemp("refused")
+    empty = root / "nvme"
+    workdir, configfile = new_workdir_at(root / "run", tiny_llama, conversations=10,
+                                         extract={"hidden_dir": str(empty), "disk_reserve_mb": 1 << 40})
+    with open(workdir / "conversations.jsonl", "a") as source:
+        source.write('{"id": "broken" "messages": []}\n')
+    result = run_snakemake(workdir, configfile, "--cores", "1", "results/tiny/hidden/shard-00000.safetensors", check=False)
+    return workdir, empty, result
+
+
+def test_empty_extract_hidden_dir_fails_a_refused_job_without_a_snakemake_traceback(refused_run):
+    workdir, empty, result = refused_run
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "disk preflight" in (workdir / "logs" / "tiny" / "extract" / "shard-00000.log").read_text()
+    snakemake_end = output[output.index("Exiting because a job execution failed"):]
+    assert "Traceback" not in snakemake_end and "NotADirectoryError" not in output, snakemake_end
+    assert [p.name for p in empty.iterdir()] == [".eaglenest-hidden-states"]
+
+
+def test_ingest_rejections_reach_the_snakemake_console(refused_run):
+    _, _, result = refused_run
+    # The job's log goes to a file; this line must reach the console as well.
+    assert "eaglenest: ingest: kept 10 of 11 records; rejected 1 (invalid_json 1)" in result.stderr
+
+
+# The last release whose prepare was a single job with one output per shard.
+SINGLE_PREPARE_RELEASE = "5f797d104215ad159fe124ac699ed4315786c3fa"
+
+
+def test_run_prepared_by_the_single_prepare_job_plans_no_prepare_or_extraction(tmp_path, tiny_llama):
+    earlier = tmp_path / "earlier-release"
+    earlier.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", SINGLE_PREPARE_RELEASE, "Snakefile", "rules", "scripts",
+                              "config", "envs", "report", "profiles", "eaglenest"], capture_output=True)
+    assert archive.returncode == 0, archive.stderr.decode()
+    subprocess.run(["tar", "-x", "-C", str(earlier)], input=archive.stdout, check=True)
+    workdir, configfile = new_workdir_at(tmp_path / "run", tiny_llama, conversations=20)  # 2 shards
+    # The earlier release's workflow and library (PYTHONPATH first) make the data half.
+    env = {**os.environ, "PYTHONPATH": str(earlier), "PYTHONUNBUFFERED": "1"}
+    command = snakemake_command(workdir, configfile, "--cores", "2", *DATA_HALF)
+    command[command.index(str(REPO / "Snakefile"))] = str(earlier / "Snakefile")
+    made = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr[-4000:]
+    assert (workdir / "logs" / "tiny" / "prepare.log").exists()  # the single job ran
+    assert planned_jobs(workdir, configfile, *DATA_HALF) == {}
+    # Without its report (e.g. deleted), the report is rebuilt from the earlier shards' headers.
+    report_path = next(workdir.glob("results/tiny/prepared/*/prepare_report.json"))
+    earlier_report = json.loads(report_path.read_text())
+    report_path.unlink()
+    assert planned_jobs(workdir, configfile, str(report_path.relative_to(workdir))) == {"prepare_report": 1}
+    rebuilt = prepare.summarize(sorted(report_path.parent.glob("shard-*.safetensors")), tmp_path / "rebuilt.json")
+    assert rebuilt["shards_without_drop_counts"] == [0, 1]
+    assert rebuilt["shards"] == earlier_report["shards"] and rebuilt["tokens"] == earlier_report["tokens"]
+
+
+def new_workdir_at(workdir: Path, target: Path, conversations: int, **sections) -> tuple[Path, Path]:
+    workdir.mkdir()
+    source = synthetic_conversations(workdir / "conversations.jsonl", conversations)
+    return workdir, tiny_workflow_config(workdir, target, source, data={"max_conversations": conversations}, **sections)
+

@@ -27,6 +27,7 @@ def test_pipeline_survives_kills_disk_full_corruption_server_faults_and_bad_reco
     assert summary["identical_final_result"], (table, summary["differing_outputs"])
     assert summary["leftovers"] == {"temp_files": [], "locks": []}, table
     assert summary["bad_records"]["all_good_arrived"] and summary["bad_records"]["counts_match"], summary["bad_records"]
+    assert summary["bad_records"]["expected_rejected"]["invalid_json"] >= 1, summary["bad_records"]
     for corruption in summary["corruptions"]:
         assert corruption["refused_by_name"] and corruption["rebuilt_only_victim"] and corruption["completed"], corruption
     for disk in summary["disk_full"]:
