@@ -21,7 +21,7 @@ from .profile_runs import (
 )
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
-WHOLE_RUN = {"ingest": 1, "prepare": 1, "extract_hidden_states": 4, "consolidate": 1, "train_drafter": 1, "export_drafter": 1, "all": 1}
+WHOLE_RUN = {"ingest": 1, "prepare": 4, "prepare_report": 1, "extract_hidden_states": 4, "consolidate": 1, "train_drafter": 1, "export_drafter": 1, "all": 1}
 
 
 def hidden_dir(workdir: Path) -> Path:
@@ -66,7 +66,8 @@ def test_default_pipeline_completes_through_slurm_in_the_partition_from_the_envi
     # Every rule with work ran as a Slurm job, in the partition named by the environment
     # (the cluster's default partition is another one).
     rules = sorted(re.sub(r"_wildcards_.*", "", job["comment"]) for job in jobs.values())
-    assert rules == sorted(["rule_ingest", "rule_prepare", "rule_consolidate", "rule_train_drafter", "rule_export_drafter"] + ["rule_extract_hidden_states"] * 4)
+    assert rules == sorted(["rule_ingest", "rule_prepare_report", "rule_consolidate", "rule_train_drafter", "rule_export_drafter"]
+                           + ["rule_prepare"] * 4 + ["rule_extract_hidden_states"] * 4)
     assert {job["state"] for job in jobs.values()} == {"COMPLETED"}
     assert {job["partition"] for job in jobs.values()} == {local_slurm.PARTITION}
     # Training ran torchrun inside its allocation.
