@@ -186,16 +186,9 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
 
 
 def drafter_config(shape: dict) -> drafter.DrafterConfig:
-    target = shape["target"]
-    values = dict(
-        hidden_size=target["hidden_size"], num_attention_heads=target["num_attention_heads"],
-        num_key_value_heads=target["num_key_value_heads"], head_dim=target["head_dim"],
-        intermediate_size=target["intermediate_size"], vocab_size=target["vocab_size"],
-        draft_vocab_size=shape["draft_vocab"], target_hidden_size=target["hidden_size"],
-        aux_layer_ids=shape["layer_ids"], rms_norm_eps=target["rms_norm_eps"],
-    )
-    values.update(shape["drafter"])
-    return drafter.DrafterConfig(**values)
+    """The drafter eaglenest builds for the shape's target (as build_drafter sizes it)."""
+    return drafter.DrafterConfig.from_target_config(shape["target"], shape["draft_vocab"], shape["layer_ids"],
+                                                    **shape["drafter"])
 
 
 def plain_layer(model: drafter.Eagle3Drafter, ids, hidden, positions):

@@ -582,11 +582,10 @@ def _train(
         if not pending:
             return
         stacked = torch.stack([stats for _, stats in pending])
-        if distributed:
-            grad_column = stacked[:, -1].clone()
-            dist.all_reduce(stacked)  # ce and hits summed over ranks; counts were global already
-            stacked[:, 2 * length : 3 * length + 1] /= world_size
-            stacked[:, -1] = grad_column
+        if distributed:  # ce and hits are per rank; counts and the gradient norm are global already
+            per_rank = stacked[:, : 2 * length].contiguous()
+            dist.all_reduce(per_rank)
+            stacked[:, : 2 * length] = per_rank
         for (record, _), values in zip(pending, stacked.tolist()):
             counts = values[2 * length : 3 * length]
             record.update({
