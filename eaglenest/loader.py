@@ -127,9 +127,17 @@ class RowReader:
         handle = self._handle(ref.shard)
         return handle.rows(ROW_TENSORS, ref.start, ref.stop)
 
-    def batch(self, rows: list[list[int]], pad_to: int | None = None) -> dict[str, torch.Tensor]:
-        """Packed rows -> padded tensors [B, T(, width)]; segment_ids -1 and loss_mask 0 on padding."""
+    def batch(self, rows: list[list[int]], pad_to: int | None = None, pad_rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Packed rows -> padded tensors [B, T(, width)]; segment_ids -1 and loss_mask 0 on padding.
+
+        ``pad_to`` fixes T and ``pad_rows`` fixes B (empty rows appended), so that every step has
+        one shape: a compiled step (FlexAttention on CUDA) would otherwise compile again for the
+        short last step of each epoch and of validation.
+        """
         length = pad_to or max(sum(self.dataset.samples[i].length for i in row) for row in rows)
+        if pad_rows is not None and len(rows) > pad_rows:
+            raise ValueError(f"{len(rows)} rows do not fit a batch padded to {pad_rows}")
+        rows = list(rows) + [[]] * ((pad_rows or len(rows)) - len(rows))
         width = len(self.dataset.layer_ids) * self.dataset.hidden_size
         first = self.read(self.dataset.samples[rows[0][0]])
         hidden_dtype = first["aux_hidden"].dtype
@@ -188,6 +196,7 @@ class StepStream:
         self.start_step = start_step
         self.rank, self.world_size = rank, world_size
         self.pad_to = token_budget if pad_to_budget else None
+        self.pad_rows = -(-rows_per_step // world_size) if pad_to_budget else None
         self.pin_memory = pin_memory
         self.wait_seconds = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
@@ -203,7 +212,7 @@ class StepStream:
             for step in range(self.start_step, len(self.schedule)):
                 epoch, rows = self.schedule[step]
                 mine = rows[self.rank :: self.world_size]
-                batch = reader.batch(mine, self.pad_to) if mine else None
+                batch = reader.batch(mine, self.pad_to, self.pad_rows) if mine else None
                 if batch is not None and self.pin_memory:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 while not self._stop.is_set():

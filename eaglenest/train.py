@@ -405,11 +405,12 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
     sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     pad_to = settings["token_budget"] if device.type == "cuda" else None
+    pad_rows = -(-settings["rows_per_step"] // world_size) if device.type == "cuda" else None
     for rows in steps:
         mine = rows[rank::world_size]
         if not mine:
             continue
-        batch = to_device(reader.batch(mine, pad_to=pad_to), device, hidden_dtype)
+        batch = to_device(reader.batch(mine, pad_to=pad_to, pad_rows=pad_rows), device, hidden_dtype)
         target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
         positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
         with autocast:
