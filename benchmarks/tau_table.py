@@ -63,6 +63,8 @@ def main(out: str, *evaluate_dirs: str) -> None:
             continue
         traces = [per_prompt(job) for job in jobs]
         ids = sorted(set.intersection(*(set(t) for t in traces)))
+        if not ids:  # partial jobs that share no prompt
+            continue
         arrays = [(np.array([t[i][0] for i in ids]), np.array([t[i][1] for i in ids])) for t in traces]
         draws = rng.integers(0, len(ids), size=(DRAWS, len(ids)))
         boot = [np.array([tau(tok[d], cyc[d]) for d in draws]) for tok, cyc in arrays]
