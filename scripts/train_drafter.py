@@ -6,8 +6,8 @@ from eaglenest import joblog, train
 
 stream = joblog.to_file(snakemake.log[0])
 settings = snakemake.config["train"]
-speed_knobs = ("device", "prefetch", "loss_chunk_rows", "attention", "compile", "log_every", "val_every",
-               "checkpoint_every", "keep_checkpoints", "deterministic")
+speed_knobs = ("device", "prefetch", "loss_chunk_rows", "attention", "recompute_steps", "compile", "log_every",
+               "val_every", "checkpoint_every", "keep_checkpoints", "deterministic")
 gpus = settings["gpus"]
 train.launch(
     {
