@@ -43,21 +43,13 @@ from pathlib import Path
 import torch
 
 from eaglenest import atomic, shards
-from eaglenest.plan import default_layer_ids  # noqa: F401  (part of this module's API)
+from eaglenest import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 
 
 class InsufficientDiskError(RuntimeError):
     pass
-
-
-def resolve_layer_ids(layer_ids, num_layers: int) -> list[int]:
-    ids = default_layer_ids(num_layers) if layer_ids in (None, "default") else [int(i) for i in layer_ids]
-    for i in ids:
-        if not 0 <= i < num_layers:
-            raise ValueError(f"aux layer id {i} outside [0, {num_layers}) (HF convention: input of layer i)")
-    return ids
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -498,7 +490,7 @@ def extract_shard(
             f"config says the target has (num_layers, hidden_size)={expected_shape}, the model at "
             f"{target_path} has {(target_config.num_hidden_layers, target_config.hidden_size)}"
         )
-    layer_ids = resolve_layer_ids(layer_ids, target_config.num_hidden_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, target_config.num_hidden_layers)
     hidden = target_config.hidden_size
     bytes_per_token = shards.hidden_bytes_per_token(hidden, len(layer_ids), dtype)
     if check_disk:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from eaglenest import atomic, extract, shards, sglang_patch
+from eaglenest import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class _ShardRequests:
 def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
                    disk_reserve_bytes: int) -> dict:
     """extract.preflight for a shard of a server with this target shape (from the run's config)."""
-    layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
     bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
     numbers = extract.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
     log.info("preflight: %s", numbers)
@@ -275,7 +276,7 @@ def extract_shard_via_server(
     hidden_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
     prepared = shards.verify_shard(prepared_path, deep=True)
-    layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
     started = time.perf_counter()
     if check_disk:  # before the server is asked anything: a refused shard costs nothing
         disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size, num_layers, dtype, disk_reserve_bytes)

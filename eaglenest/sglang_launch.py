@@ -49,6 +49,8 @@ from eaglenest import layer_ids as layer_id_convention
 from eaglenest import atomic, gpu_slots, sglang_client, sglang_patch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# extract.sglang.standin: the test suite's stand-in server, only in a source checkout.
+STANDIN_SERVER = REPO_ROOT / "tests" / "support" / "standin_server.py"
 
 
 def sglang_settings(config: dict) -> dict:
@@ -125,10 +127,16 @@ def launch_command(
 
 
 def standin_command(capture: dict, url: str, python: str = sys.executable) -> list[str]:
-    """eaglenest.standin_server with the settings the patched server would get (extract.sglang.standin)."""
+    """The test suite's stand-in server with the settings the patched server would get
+    (extract.sglang.standin, a test tool: it computes with transformers, one sample per request)."""
+    if not STANDIN_SERVER.is_file():
+        raise FileNotFoundError(
+            f"extract.sglang.standin starts the test suite's stand-in server {STANDIN_SERVER}, which only a "
+            "source checkout of eaglenest has; a production run serves the target with SGLang (standin: false)"
+        )
     address = urllib.parse.urlsplit(url)
     return [
-        python, "-m", "eaglenest.standin_server",
+        python, str(STANDIN_SERVER),
         "--model", capture["model_path"],
         "--target", capture["target"],
         "--layer-ids", *map(str, capture["layer_ids"]),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest import tiny
+from support import tiny
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"

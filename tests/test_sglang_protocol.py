@@ -1,6 +1,6 @@
 """The shard client against a real HTTP server on 127.0.0.1: the stand-in patched server.
 
-Each test starts eaglenest.standin_server as its own process (a tiny random-weight
+Each test starts the stand-in server (tests/support/standin_server.py) as its own process (a tiny random-weight
 Llama computed with transformers), so crashes are real process deaths and every
 request crosses a real socket.
 """
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from eaglenest import extract, shards, sglang_client
+from eaglenest.sglang_launch import STANDIN_SERVER
 
 TARGET = "tiny-llama"
 LAYERS = [2, 3, 4]
@@ -30,7 +31,7 @@ def start_standin(tmp_path: Path, model: Path, *extra: str, target: str = TARGET
     spool = tmp_path / "spool"
     ready = tmp_path / f"ready-{len(list(tmp_path.glob('ready-*')))}.json"
     command = [
-        sys.executable, "-m", "eaglenest.standin_server", "--model", str(model), "--target", target,
+        sys.executable, str(STANDIN_SERVER), "--model", str(model), "--target", target,
         "--layer-ids", *map(str, layers), "--spool-dir", str(spool), "--port", "0", "--ready-file", str(ready), *extra,
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -81,7 +82,7 @@ def prepared_shard(tmp_path) -> Path:
 
 def client_kwargs(spool: Path, **overrides) -> dict:
     kwargs = dict(
-        target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=6, dtype="bfloat16",
+        target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=7, dtype="bfloat16",
         spool_dir=str(spool), concurrency=3, request_timeout_s=60, retries=1, backoff_s=0.05,
         max_consecutive_failures=3, check_disk=False,
     )

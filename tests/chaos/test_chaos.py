@@ -1,7 +1,7 @@
 """The CI-sized chaos run: kills at random moments, a full disk during extraction and during
 checkpointing, a corrupt shard, a corrupt checkpoint, a faulty SGLang server, bad records.
 
-The full version is `python -m eaglenest.chaos --kills 20 --seed 1` (docs/reliability.md);
+The full version is `python tests/support/chaos.py --kills 20 --seed 1` (docs/reliability.md);
 it adds the other checkpoint damages and server faults.
 """
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from eaglenest import chaos
+from support import chaos
 
 pytestmark = pytest.mark.slow
 
