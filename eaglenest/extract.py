@@ -328,6 +328,31 @@ def to_storage(aux: torch.Tensor, last: torch.Tensor, dtype: str, num_aux_layers
     return {"aux_hidden": aux.to(storage), "last_hidden": last.to(storage)}
 
 
+class StorageRows:
+    """A shard's aux and last hidden rows as the shard stores them, filled a sample at a time
+    (the SGLang backend's answers arrive that way). fp8 rows are quantised as they arrive:
+    the scales are per row, so that equals quantising the whole shard at once."""
+
+    def __init__(self, tokens: int, hidden_size: int, num_aux_layers: int, dtype: str):
+        storage = shards.STORAGE_DTYPES[dtype]
+        self.dtype, self.num_aux_layers = dtype, num_aux_layers
+        self.tensors = {
+            "aux_hidden": torch.empty(tokens, num_aux_layers * hidden_size, dtype=storage),
+            "last_hidden": torch.empty(tokens, hidden_size, dtype=storage),
+        }
+        if dtype == shards.FP8_DTYPE:
+            self.tensors["aux_hidden_scale"] = torch.empty(tokens, num_aux_layers, dtype=torch.float32)
+            self.tensors["last_hidden_scale"] = torch.empty(tokens, 1, dtype=torch.float32)
+
+    def put(self, start: int, end: int, aux: torch.Tensor, last: torch.Tensor) -> None:
+        for name, rows in to_storage(aux, last, self.dtype, self.num_aux_layers).items():
+            self.tensors[name][start:end] = rows
+
+    def write(self, hidden_path, prepared, meta: dict) -> None:
+        scales = {name: self.tensors[name] for name in shards.SCALE_TENSORS.values() if name in self.tensors}
+        shards.write_hidden_shard(hidden_path, prepared, self.tensors["aux_hidden"], self.tensors["last_hidden"], meta, **scales)
+
+
 class _HostStaging:
     """Pinned host buffers that device rows are copied into on a side stream (CUDA only)."""
 

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from eaglenest import layer_ids as layer_id_convention
 from eaglenest import atomic, gpu_slots, sglang_client, sglang_patch
+from eaglenest import settings as settings_lib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # extract.sglang.standin: the test suite's stand-in server, only in a source checkout.
@@ -54,16 +55,9 @@ STANDIN_SERVER = REPO_ROOT / "tests" / "support" / "standin_server.py"
 
 
 def sglang_settings(config: dict) -> dict:
-    """extract.sglang with the schema's defaults (the launcher runs outside Snakemake)."""
-    defaults = {
-        "url": "http://127.0.0.1:30000",
-        "spool_dir": sglang_patch.DEFAULT_SPOOL_DIR,
-        "architecture": None,
-        "startup_timeout_s": 3600,
-        "extra_args": [],
-        "standin": False,
-    }
-    return {**defaults, **config.get("extract", {}).get("sglang", {})}
+    """extract.sglang with the schema's defaults (the launcher also runs outside Snakemake);
+    an unknown key raises."""
+    return settings_lib.section(config.get("extract", {}).get("sglang", {}), "extract", "sglang")
 
 
 def model_architecture(model_path: str | os.PathLike) -> str:

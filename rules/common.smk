@@ -5,7 +5,7 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from eaglenest import layout, plan
+from eaglenest import layout, plan, settings
 from eaglenest.drafting import Drafting
 
 validate(config, schema="../config/schema.yaml")

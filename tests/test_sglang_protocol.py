@@ -94,21 +94,26 @@ def assert_no_shard_left(hidden_dir: Path) -> None:
     assert not list(hidden_dir.glob("shard-*")), list(hidden_dir.iterdir())
 
 
-def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
+def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama, dtype):
+    """fp8 included: the client quantises each answer's rows as the transformers backend does."""
     _, url, spool = standin()
     via_server = tmp_path / "hidden-sglang" / shards.shard_name(0)
-    stats = sglang_client.extract_shard_via_server(prepared_shard, via_server, url, **client_kwargs(spool))
+    stats = sglang_client.extract_shard_via_server(prepared_shard, via_server, url, **client_kwargs(spool, dtype=dtype))
     assert stats["samples"] == 6
     direct = tmp_path / "hidden-transformers" / shards.shard_name(0)
     # One sample per forward on both sides: padding a sample into a longer batch changes
     # the fp32 GEMM blocking and so the last bits (measured: up to 2.6e-8), not the contract.
-    extract.extract_shard(prepared_shard, direct, tiny_llama, TARGET, LAYERS, device="cpu", check_disk=False, tokens_per_batch=1)
+    extract.extract_shard(prepared_shard, direct, tiny_llama, TARGET, LAYERS, dtype=dtype, device="cpu", check_disk=False,
+                          tokens_per_batch=1)
 
-    expect = {"kind": "hidden", "target": TARGET, "layer_ids": LAYERS, "dtype": "bfloat16"}
+    expect = {"kind": "hidden", "target": TARGET, "layer_ids": LAYERS, "dtype": dtype}
     server_shard = shards.verify_shard(via_server, deep=True, expect=expect).tensors()
     direct_shard = shards.verify_shard(direct, deep=True, expect=expect).tensors()
-    for name in shards.HIDDEN_TENSORS:
-        assert torch.equal(server_shard[name], direct_shard[name]), name
+    names = shards.HIDDEN_TENSORS + (tuple(shards.SCALE_TENSORS.values()) if dtype == shards.FP8_DTYPE else ())
+    assert set(server_shard) == set(direct_shard) == set(names)
+    for name in names:
+        assert torch.equal(server_shard[name].view(torch.uint8), direct_shard[name].view(torch.uint8)), name
     assert list(spool.iterdir()) == []  # every spool file was consumed
 
 

@@ -178,7 +178,7 @@ def make_handler(options, state: dict):
 def chat_generator(options):
     from eaglenest.regenerate import Settings, TransformersBackend
 
-    return TransformersBackend(options.model, Settings(device="cpu", retries=0))
+    return TransformersBackend(options.model, Settings.from_config({"device": "cpu", "retries": 0}))
 
 
 def serve(options) -> None:
