@@ -18,6 +18,36 @@ SNAKEFILE = REPO / "Snakefile"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
 
 
+# ---- running the suite on two workers (pytest-xdist, --dist loadgroup) ---------------------------
+# Each test module is one unit of work, so its module fixtures run once; modules that share a
+# session fixture, or the one local Slurm cluster, form one unit together. Units start longest
+# first: the Slurm tests mostly wait for the scheduler's status checks and the chaos run keeps
+# both cores busy, so the two overlap instead of adding up.
+SHARED_UNITS = {
+    "slurm": "slurm",  # tests/slurm/*: one slurmctld per session
+    "test_workflow": "finished_tiny_run",
+    "test_recon": "finished_tiny_run",
+}
+LONGEST_FIRST = ["slurm", "test_chaos", "test_e2e_smollm2", "finished_tiny_run", "test_regenerate",
+                 "test_sglang_service", "test_sglang_launch", "test_train", "test_evaluate", "test_export"]
+
+
+def work_unit(item) -> str:
+    path = Path(str(item.fspath))
+    if path.parent.name == "slurm":
+        return SHARED_UNITS["slurm"]
+    return SHARED_UNITS.get(path.stem, path.stem)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(work_unit(item), len(rank)), order[id(item)]))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(work_unit(item)))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-llama") / "model", arch="llama")

@@ -581,7 +581,7 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def tiny_setup(workdir: Path, conversations: int) -> Path:
+def tiny_setup(workdir: Path, conversations: int, samples_per_shard: int = 8) -> Path:
     """A tiny random target and synthetic conversations; returns the config path."""
     from support import tiny
 
@@ -590,7 +590,7 @@ def tiny_setup(workdir: Path, conversations: int) -> Path:
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     # Frequent checkpoints make kills during training count.
     config = tiny.workflow_config(base, target, source, run="chaos", max_conversations=conversations,
-                                  samples_per_shard=8, checkpoint_every=3)
+                                  samples_per_shard=samples_per_shard, checkpoint_every=3)
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -636,7 +636,7 @@ class KindTable:
 
 
 def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = None, disk_full: bool = True,
-              corruptions: int = 1, bad_record_examples: int = 200, conversations: int = 40,
+              corruptions: int = 1, bad_record_examples: int = 200, conversations: int = 40, samples_per_shard: int = 8,
               checkpoint_disk_full: bool = True, checkpoint_corruptions: int = 1,
               server_fault_names: list[str] | None = None) -> dict:
     """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none."""
@@ -645,7 +645,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
     if configfile is None:
-        configfile = tiny_setup(workdir / "inputs", conversations)
+        configfile = tiny_setup(workdir / "inputs", conversations, samples_per_shard)
     server_fault_names = SERVER_FAULT_NAMES if server_fault_names is None else server_fault_names
     unknown = sorted(set(server_fault_names) - set(SERVER_FAULT_NAMES))
     if unknown:
