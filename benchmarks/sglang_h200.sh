@@ -131,12 +131,19 @@ PLAIN_URL=http://127.0.0.1:30011
 run_step patched-config "$PY" benchmarks/sglang_h200.py config --out "$OUT/patched-config.yaml" --target-dir "$TARGET_DIR" \
     --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" -- \
     --mem-fraction-static "$HALF_MEM" "${COMMON_FLAGS[@]}"
+# One server starts at a time: SGLang 0.5.14 sizes its KV pool as the free memory after
+# loading minus (1 - mem_fraction_static) x the free memory before loading
+# (model_runner_kv_cache_mixin.py:_profile_available_bytes), so a second server whose pool
+# is allocated between those two readings leaves the first none. The second starts once the
+# first answers, and boots while the first one works.
 start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang_launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
+wait_ready patched "$PATCHED_URL" /eaglenest/info
+PATCHED_READY=$?
 start_server plain 30011 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --served-model-name "$TARGET_NAME" \
     --port 30011 --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}"
 
 # The client and the transformers backend run on the node's own transformers (not $SITE's).
-if wait_ready patched "$PATCHED_URL" /eaglenest/info; then
+if [ "$PATCHED_READY" = 0 ]; then
     run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \
         --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$OUT/shards"
     grep -h "eaglenest capture" "$OUT/patched/server.log" 2>/dev/null | head -5 | tee -a "$OUT/steps.log" >&2
@@ -158,12 +165,14 @@ EAGLE=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFTER_E
 start_server chain 30012 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30012 \
     --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
     --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
+wait_ready chain http://127.0.0.1:30012 /health
+CHAIN_READY=$?
 start_server tree 30013 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30013 \
     --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
     --speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 60
 for setting in chain:30012 tree:30013; do
     name="${setting%%:*}" port="${setting##*:}"
-    if wait_ready "$name" "http://127.0.0.1:$port" /health; then
+    if { [ "$name" = chain ] && [ "$CHAIN_READY" = 0 ]; } || { [ "$name" = tree ] && wait_ready tree "http://127.0.0.1:$port" /health; }; then
         run_step "generate-$name" "$PY" benchmarks/sglang_h200.py generate --out "$OUT/parts/generate-$name.json" --label "$name" \
             --target-dir "$TARGET_DIR" --url "http://127.0.0.1:$port" --questions "$EVAL_PROMPTS" --num-prompts "$NUM_PROMPTS"
         [ "$DRY_RUN" = 1 ] || "$PY" -c "import json,urllib.request; print(json.dumps(json.load(urllib.request.urlopen('http://127.0.0.1:$port/get_server_info', timeout=10)), indent=1, default=str))" \
