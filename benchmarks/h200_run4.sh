@@ -12,12 +12,7 @@
 # ingested conversations); optionally .bench-old/ (the code before this run,
 # for the throughput comparison) and the SGLang wheel archives in $SGLANG_WHEELS, which may
 # arrive while the run is under way (it waits for $SGLANG_WHEELS/READY).
-set -u
-cd "$(dirname "$0")/.."
-REPO=$PWD
-SNAKEMAKE=${SNAKEMAKE:-snakemake}
-# The node's own Python runs everything; eaglenest is imported from this checkout.
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$REPO
+source "$(dirname "$0")/h200_steps.sh"
 CONFIGS=(config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/run4.yaml)
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-420} # wall seconds (b) may train, side by side with (a)
 EPOCHS=${EPOCHS:-}                     # empty: sized from the measured throughput
@@ -29,7 +24,6 @@ BENCH=logs/h200/bench
 mkdir -p logs/h200 $BENCH
 rm -f logs/h200/DONE
 
-source "$REPO/benchmarks/h200_steps.sh"
 
 # --- CPU: the target's conversion, then prepare and the greedy references (float32, one core
 # a chunk), all beside the GPU benchmarks ----------------------------------------------------

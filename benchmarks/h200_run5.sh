@@ -11,11 +11,7 @@
 #                                    step, bench/*.json, sglang/, and DONE at the end)
 # Expects, carried in: resources/ (the GGUF, eval sets), results/h200-smollm2/data/ (the
 # ingested conversations), the SGLang wheel archives in $SGLANG_WHEELS.
-set -u
-cd "$(dirname "$0")/.."
-REPO=$PWD
-SNAKEMAKE=${SNAKEMAKE:-snakemake}
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$REPO
+source "$(dirname "$0")/h200_steps.sh"
 CONFIGS=(config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/run5.yaml)
 TRAIN_BUDGET_S=${TRAIN_BUDGET_S:-540}  # wall seconds the training may take
 EPOCHS=${EPOCHS:-}                      # empty: sized from the measured throughput
@@ -26,7 +22,6 @@ SGLANG_DELAY_S=${SGLANG_DELAY_S:-45}    # start SGLang once the training holds i
 BENCH=logs/h200/bench
 mkdir -p logs/h200 $BENCH
 rm -f logs/h200/DONE
-source "$REPO/benchmarks/h200_steps.sh"
 
 timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${CONFIGS[@]}" || exit 1
 

@@ -9,10 +9,7 @@
 # Prepared samples made on another machine (results/<run>/prepared/, for example on a CPU
 # box while the GPU node is busy) are kept: the driver marks them up to date after the
 # target's conversion, which is newer than them (PREPARED_CARRIED=1).
-set -u
-cd "$(dirname "$0")/.."
-REPO=$PWD
-SNAKEMAKE=${SNAKEMAKE:-snakemake}
+source "$(dirname "$0")/h200_steps.sh"
 ARMS_DIR=${ARMS_DIR:-/dev/shm/eaglenest-arms}
 ARMS=${ARMS-original regenerated} # ARMS= runs the full set alone
 FULL_CORES=${FULL_CORES:-10}
@@ -20,10 +17,7 @@ FULL_CORES=${FULL_CORES:-10}
 UNTIL=()
 [ -n "${FULL_UNTIL:-}" ] && UNTIL=(--until "$FULL_UNTIL")
 EXTRA=("$@")
-mkdir -p logs/h200
 rm -f logs/h200/DONE
-
-source "$REPO/benchmarks/h200_steps.sh"
 
 FULL=(config/h200-smollm2.yaml)
 SUBSET=(config/h200-smollm2.yaml config/h200/subset-1k.yaml)

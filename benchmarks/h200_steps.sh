@@ -1,5 +1,12 @@
 # Sourced by the H200 drivers (benchmarks/h200_*.sh): each step's log, wall time and exit status.
-# Needs REPO (the checkout) and logs/h200/ under it.
+# Sourced first, it also moves to the checkout (REPO), makes logs/h200/ and puts the checkout on
+# PYTHONPATH: the node's own Python runs everything, eaglenest imported from this checkout.
+set -u
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+SNAKEMAKE=${SNAKEMAKE:-snakemake}
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$REPO
+mkdir -p "$REPO/logs/h200"
 stamp() { date -u +%FT%TZ; }
 timed() { # name, command...: wall seconds and exit status into logs/h200/times.tsv
   local name=$1 start=$SECONDS rc

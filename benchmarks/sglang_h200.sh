@@ -32,7 +32,12 @@ DEADLINE=$((START + TIME_LIMIT_S))
 # Two servers run at a time, so each gets half of the share of GPU memory.
 HALF_MEM=$(awk "BEGIN{printf \"%.3f\", $MEM_FRACTION / 2}")
 # Known to serve on the node: real weights, Triton attention, no CUDA graphs, no grammar backend.
-COMMON_FLAGS=(--load-format auto --attention-backend triton --sampling-backend pytorch --disable-cuda-graph
+# --dtype bfloat16: the converted SmolLM2 config says float32, which SGLang's dtype "auto" serves
+# in float16 (sglang/srt/configs/model_config.py:1573-1589 in 0.5.14), while an eaglenest
+# export is bfloat16: EAGLE-3's fc then meets float16 hidden states and the first draft fails
+# ("expected mat1 and mat2 to have the same dtype"). bfloat16 is also what the transformers
+# backend extracts in, so the plugin comparison compares like with like.
+COMMON_FLAGS=(--load-format auto --dtype bfloat16 --attention-backend triton --sampling-backend pytorch --disable-cuda-graph
               --grammar-backend none --log-level info)
 SERVER_FLAGS=("${COMMON_FLAGS[@]}" --tp-size 1)
 SPOOL=/dev/shm/eaglenest_hs_h200
@@ -117,10 +122,7 @@ for v in TARGET_DIR PREPARED_SHARD DRAFTER_EXPORT EVAL_PROMPTS; do
 done
 
 # --- a. install the carried wheels into $SITE once per machine, import-test ------------------
-install_wheels() {
-    bash envs/sglang_wheels_install.sh "$SGLANG_WHEELS" "$SITE"
-}
-run_step install install_wheels
+run_step install bash envs/sglang_wheels_install.sh "$SGLANG_WHEELS" "$SITE"
 run_step environment bash -c "nvidia-smi; nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu --format=csv; nproc; uptime;
     PYTHONPATH=$SITE $PY -c 'import torch, triton, transformers, sglang, sgl_kernel, flashinfer; print(torch.__version__, triton.__version__, transformers.__version__, sglang.__version__)'"
 SGL_ENV=(env PYTHONPATH="$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 SGLANG_DISABLE_REQUEST_LOGGING=1)

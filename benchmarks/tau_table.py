@@ -7,6 +7,10 @@ and paired differences between runs evaluated on the same prompts.
 from resampling prompts (2,000 bootstrap draws, seed 0). With two or more runs, the difference
 of each later run from the first is resampled over the same prompts together (paired), which
 removes the prompt-to-prompt spread that both runs share.
+
+A job whose chunks did not all run (no metrics.json) is read from the chunks it has, merged
+with eaglenest.evaluate.metrics_from_parts; the row then says how many chunks and prompts it
+covers, and the paired differences use the prompts that every run has.
 """
 import json
 import sys
@@ -14,7 +18,28 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 DRAWS = 2000
+
+
+def read_job(job_dir: Path) -> dict | None:
+    """metrics.json, or the merge of the chunks there are (``chunks_merged`` says how many)."""
+    if (job_dir / "metrics.json").exists():
+        return json.loads((job_dir / "metrics.json").read_text())
+    parts = sorted((json.loads(p.read_text()) for p in job_dir.glob("chunks/*.json")), key=lambda part: part["chunk"][0])
+    if not parts:
+        return None
+    from eaglenest.speculate import acceptance_stats
+
+    # metrics_from_parts refuses a job with chunks missing (right for the workflow); here the
+    # table says which chunks it read.
+    per_prompt = [prompt for part in parts for prompt in part["per_prompt"]]
+    stats = acceptance_stats([a for p in per_prompt for a in p["accepted"]],
+                             [d for p in per_prompt for d in p["draft_depths"]])
+    return {**stats, "per_prompt": per_prompt, "method": parts[0].get("method", "decode"), "dtype": parts[0]["dtype"],
+            "device": "+".join(sorted({part["device"] for part in parts})),
+            "chunks_merged": [len(parts), parts[0]["chunk"][1]]}
 
 
 def per_prompt(metrics: dict) -> dict[str, tuple[int, int]]:
@@ -31,22 +56,25 @@ def main(out: str, *evaluate_dirs: str) -> None:
     names = [d.parent.name for d in runs]
     rng = np.random.default_rng(0)
     rows = []
-    for metrics_path in sorted(runs[0].glob("*/*/metrics.json")):
-        eval_set, drafting = metrics_path.parts[-3], metrics_path.parts[-2]
-        jobs = [json.loads((run / eval_set / drafting / "metrics.json").read_text()) for run in runs
-                if (run / eval_set / drafting / "metrics.json").exists()]
+    for job_dir in sorted(p.parent for p in runs[0].glob("*/steps*/chunks")):
+        eval_set, drafting = job_dir.parts[-2], job_dir.parts[-1]
+        jobs = [job for job in (read_job(run / eval_set / drafting) for run in runs) if job is not None]
         if len(jobs) != len(runs):
             continue
         traces = [per_prompt(job) for job in jobs]
         ids = sorted(set.intersection(*(set(t) for t in traces)))
+        if not ids:  # partial jobs that share no prompt
+            continue
         arrays = [(np.array([t[i][0] for i in ids]), np.array([t[i][1] for i in ids])) for t in traces]
         draws = rng.integers(0, len(ids), size=(DRAWS, len(ids)))
         boot = [np.array([tau(tok[d], cyc[d]) for d in draws]) for tok, cyc in arrays]
         row = {"eval_set": eval_set, "drafting": drafting, "prompts": len(ids), "runs": {}}
         for name, job, (tok, cyc), b in zip(names, jobs, arrays, boot):
             row["runs"][name] = {"tau": tau(tok, cyc), "se": float(b.std()), "device": job["device"],
-                                 "method": job.get("method", "decode"),
+                                 "method": job.get("method", "decode"), "dtype": job.get("dtype"),
                                  "acceptance_by_position": job["acceptance_by_position"]}
+            if "chunks_merged" in job:
+                row["runs"][name]["chunks_merged"] = job["chunks_merged"]
         for name, b in zip(names[1:], boot[1:]):
             diff = b - boot[0]
             row["runs"][name]["minus_first"] = {"mean": row["runs"][name]["tau"] - row["runs"][names[0]]["tau"],
@@ -58,7 +86,9 @@ def main(out: str, *evaluate_dirs: str) -> None:
     print("\t".join(header))
     for row in rows:
         cells = [row["eval_set"], row["drafting"], str(row["prompts"])]
-        cells += [f"{row['runs'][n]['tau']:.3f} ± {row['runs'][n]['se']:.3f}" for n in names]
+        cells += [f"{row['runs'][n]['tau']:.3f} ± {row['runs'][n]['se']:.3f}"
+                  + (" ({} of {} chunks)".format(*row["runs"][n]["chunks_merged"]) if "chunks_merged" in row["runs"][n] else "")
+                  for n in names]
         for n in names[1:]:
             d = row["runs"][n]["minus_first"]
             cells.append(f"{d['mean']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")

@@ -73,7 +73,8 @@ def write_target(path: Path, shape: dict, draft_rows: torch.Tensor, seed: int) -
     (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "tie_word_embeddings": True}))
 
 
-def write_shards(root: Path, shape: dict, samples: int, sample_len: int, per_shard: int, seed: int):
+def write_shards(root: Path, shape: dict, samples: int, sample_len: int, per_shard: int, seed: int,
+                 hidden_dtype: str = "bfloat16"):
     hidden = shape["target"]["hidden_size"]
     vocab_size = shape["target"]["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
@@ -88,8 +89,12 @@ def write_shards(root: Path, shape: dict, samples: int, sample_len: int, per_sha
         tokens = per_shard * sample_len
         aux = torch.randn(tokens, 3 * hidden, generator=generator).bfloat16()
         last = torch.randn(tokens, hidden, generator=generator).bfloat16()
-        meta = {"target": "bench", "target_hidden_size": hidden, "layer_ids": shape["layer_ids"], "dtype": "bfloat16"}
-        shards.write_hidden_shard(root / "hidden" / name, shards.ShardReader.open(prepared), aux, last, meta)
+        meta = {"target": "bench", "target_hidden_size": hidden, "layer_ids": shape["layer_ids"], "dtype": hidden_dtype}
+        scales = ()
+        if hidden_dtype == shards.FP8_DTYPE:  # as extraction stores them: e4m3, a scale per token and layer
+            (aux, aux_scale), (last, last_scale) = shards.quantize_rows(aux, 3), shards.quantize_rows(last, 1)
+            scales = (aux_scale, last_scale)
+        shards.write_hidden_shard(root / "hidden" / name, shards.ShardReader.open(prepared), aux, last, meta, *scales)
         hidden_paths.append(str(root / "hidden" / name))
         prepared_paths.append(str(prepared))
     return hidden_paths, prepared_paths
@@ -132,9 +137,10 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     write_target(root / "target", shape, draft_ids, seed=0)
     began = time.perf_counter()
     samples = args.steps * args.rows * (args.token_budget // args.sample_len)
-    hidden_paths, prepared_paths = write_shards(root, shape, samples, args.sample_len, args.samples_per_shard, seed=2)
+    hidden_paths, prepared_paths = write_shards(root, shape, samples, args.sample_len, args.samples_per_shard, seed=2,
+                                                hidden_dtype=args.hidden_dtype)
     out = root / "consolidated"
-    expect = {"target": "bench", "layer_ids": shape["layer_ids"], "dtype": "bfloat16"}
+    expect = {"target": "bench", "layer_ids": shape["layer_ids"], "dtype": args.hidden_dtype}
     # Random ids would give a random draft vocab; consolidate counts them, then we keep ours.
     consolidate.consolidate(hidden_paths, prepared_paths, out / "index.json", out / "draft_vocab.safetensors",
                             out / "split.json", vocab_size, shape["draft_vocab"], expect, val_fraction=0.0)
@@ -315,6 +321,8 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="first compare the flex and dense TTT paths (GPU)")
     parser.add_argument("--compile", action="store_true", help="train.compile: torch.compile the drafter layer")
     parser.add_argument("--attention", choices=["auto", "dense", "flex"], help="train.attention (default auto)")
+    parser.add_argument("--hidden-dtype", choices=["bfloat16", "float8_e4m3"], default="bfloat16",
+                        help="storage dtype of the random hidden shards (extract.dtype; the H200 configs use fp8)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = train.resolve_device(args.device, 0)
@@ -325,7 +333,8 @@ def main(argv=None):
         "matmul_bf16_tflops": (lambda r: r / 1e12 if r else None)(matmul_ceiling(device)),
         "runs": [],
     }
-    results["settings"] = {"rows": args.rows, "token_budget": args.token_budget, "sample_len": args.sample_len,
+    results["settings"] = {"rows": args.rows, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
+                           "sample_len": args.sample_len,
                            "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto"}
 
     def save():

@@ -12,7 +12,12 @@ works, with ``--enable-return-hidden-states`` in place of the three EAGLE3 captu
   prefill chunk only, so a chunked prompt would lose rows;
 * ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
   --return-aux-hidden-state-layer-ids <ids>``: aux capture without a draft, ids
-  translated from HF convention by eaglenest.layer_ids.
+  translated from HF convention by eaglenest.layer_ids;
+* ``--dtype bfloat16`` unless ``extract.sglang.extra_args`` names a dtype: SGLang's
+  ``auto`` serves a config that says float32 in float16
+  (``sglang/srt/configs/model_config.py:1573-1589`` in 0.5.14), which is neither what the
+  transformers backend computes in nor what a drafter trained on it is served with
+  (docs/sglang.md, "On the H200").
 
 The patch (eaglenest.sglang_patch) is applied at every start, never installed into
 sglang: the launcher writes a small entry-point record for sglang's plugin loader
@@ -116,6 +121,7 @@ def launch_command(
         "--disable-radix-cache",
         "--chunked-prefill-size", "-1",
         *capture_flags,
+        *([] if "--dtype" in map(str, settings["extra_args"]) else ["--dtype", "bfloat16"]),
         *map(str, settings["extra_args"]),
     ]
 

@@ -458,19 +458,29 @@ class RowSource:
     """Row slices of one shard through a handle kept open (memory-mapped) for many reads.
 
     Hidden rows come back as floating point whatever the storage dtype: fp8 rows are
-    dequantized with their per-row scales, so readers never see the storage format.
+    dequantized with their per-row scales, so readers never see the storage format. With
+    ``keep_fp8`` they come back as stored, with their scales beside them (``*_scale``), for a
+    reader that dequantizes on the GPU (:func:`dequantize` there gives the same values).
     """
 
-    def __init__(self, path: str | os.PathLike, hidden_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, path: str | os.PathLike, hidden_dtype: torch.dtype = torch.bfloat16, keep_fp8: bool = False):
         self.path = Path(path)
         self.hidden_dtype = hidden_dtype
+        self.keep_fp8 = keep_fp8
         self._handle = safe_open(self.path, framework="pt")
         self._names = set(self._handle.keys())
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the hidden rows are stored as fp8 with per-row scales."""
+        return SCALE_TENSORS["aux_hidden"] in self._names
 
     def rows(self, names, start: int, stop: int) -> dict[str, torch.Tensor]:
         wanted = list(names) + [SCALE_TENSORS[n] for n in names if SCALE_TENSORS.get(n) in self._names]
         out = {name: self._handle.get_slice(name)[start:stop] for name in wanted}
-        return dequantize(out, self.hidden_dtype) if len(wanted) > len(names) else out
+        if self.keep_fp8 or len(wanted) == len(names):
+            return out
+        return dequantize(out, self.hidden_dtype)
 
 
 def verify_shard(path: str | os.PathLike, deep: bool = True, expect: Mapping | None = None) -> ShardReader:

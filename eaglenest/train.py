@@ -39,8 +39,12 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
+<<<<<<< HEAD
 from eaglenest import atomic, drafter as drafter_lib, loader, vocab
 from eaglenest import settings as settings_lib
+=======
+from eaglenest import atomic, drafter as drafter_lib, loader, shards, vocab
+>>>>>>> main
 
 log = logging.getLogger("eaglenest.train")
 
@@ -356,11 +360,19 @@ def set_rng_state(state: dict) -> None:
 
 
 def to_device(batch, device, hidden_dtype):
+    """The batch on ``device``, hidden rows in ``hidden_dtype``; fp8 rows kept by the loader
+    (``*_scale`` beside them) are dequantized here, on the device."""
     if batch is None:
         return None
     moved = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     for name in ("aux_hidden", "last_hidden"):
-        moved[name] = moved[name].to(hidden_dtype)
+        scale = moved.pop(shards.SCALE_TENSORS[name], None)
+        if scale is not None:
+            values = moved[name]
+            flat = shards.dequantize_rows(values.flatten(0, 1), scale.flatten(0, 1), hidden_dtype)
+            moved[name] = flat.view(*values.shape)
+        else:
+            moved[name] = moved[name].to(hidden_dtype)
     return moved
 
 
@@ -374,16 +386,17 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
     frequent draft token (the chance level to beat), over the positions that count."""
     length = settings["ttt_length"]
     steps = loader.epoch_steps(dataset, settings["token_budget"], settings["rows_per_step"], 0, 0, shuffle=False)
-    reader = loader.RowReader(dataset)
+    reader = loader.RowReader(dataset, keep_fp8=device.type == "cuda")
     # [ce, count, hits, chance] per step, summed on the device and read once at the end.
     sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     pad_to = settings["token_budget"] if device.type == "cuda" else None
+    pad_rows = -(-settings["rows_per_step"] // world_size) if device.type == "cuda" else None
     for rows in steps:
         mine = rows[rank::world_size]
         if not mine:
             continue
-        batch = to_device(reader.batch(mine, pad_to=pad_to), device, hidden_dtype)
+        batch = to_device(reader.batch(mine, pad_to=pad_to, pad_rows=pad_rows), device, hidden_dtype)
         target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
         positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
         with autocast:
@@ -491,7 +504,7 @@ def _train(
     stream = loader.StepStream(
         train_set, settings["token_budget"], settings["rows_per_step"], settings["seed"], settings["epochs"],
         rank=rank, world_size=world_size, prefetch=settings["prefetch"],
-        pad_to_budget=device.type == "cuda", pin_memory=device.type == "cuda",
+        pad_to_budget=device.type == "cuda", pin_memory=device.type == "cuda", keep_fp8=device.type == "cuda",
     )
     total_steps = len(stream)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

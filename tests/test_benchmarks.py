@@ -22,3 +22,33 @@ def test_train_throughput_times_eaglenest_and_the_eager_ceiling_on_cpu(tmp_path)
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in runs)
     assert runs[1]["eaglenest_over_ceiling"] > 0
     assert "x ceiling" in result.stdout
+
+
+def _chunk(eval_set: str, chunk: int, chunks: int, traces: dict) -> dict:
+    return {"eval_set": eval_set, "chunk": [chunk, chunks], "device": "cpu", "dtype": "float32", "method": "replay",
+            "per_prompt": [{"id": pid, "accepted": accepted, "draft_depths": [3] * len(accepted), "cycles": len(accepted)}
+                           for pid, accepted in traces.items()]}
+
+
+def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_are_missing(tmp_path):
+    """One run merged (metrics.json), the other with a chunk missing: the paired row uses the
+    prompts both have and names the chunks it read."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import tau_table
+
+    traces = [{"a": [3, 0], "b": [1, 1]}, {"c": [2, 2, 0]}]
+    first, second = tmp_path / "first" / "evaluate", tmp_path / "second" / "evaluate"
+    for run, chunks in ((first, (0, 1)), (second, (0,))):
+        job = run / "mt_bench" / "steps3-topk1-tokens4"
+        (job / "chunks").mkdir(parents=True)
+        for c in chunks:
+            (job / "chunks" / f"{c}.json").write_text(json.dumps(_chunk("mt_bench", c, 2, traces[c])))
+    merged = tau_table.read_job(first / "mt_bench" / "steps3-topk1-tokens4")
+    (first / "mt_bench" / "steps3-topk1-tokens4" / "metrics.json").write_text(json.dumps(merged))
+    out = tmp_path / "tau.json"
+    tau_table.main(str(out), str(first), str(second))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["prompts"] == 2  # a and b: c is in the first run only
+    assert row["runs"]["second"]["chunks_merged"] == [1, 2]
+    assert row["runs"]["first"]["tau"] == row["runs"]["second"]["tau"] == (3 + 0 + 1 + 1 + 4) / 4  # (accepted + bonus tokens) / cycles
+    assert row["runs"]["second"]["minus_first"]["mean"] == 0

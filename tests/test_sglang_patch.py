@@ -193,6 +193,11 @@ def test_every_launcher_flag_exists_in_pinned_server_args(sglang_src):
     assert "Setting this to -1 means disabling chunked prefill." in fields
     validation = (sglang_src / "srt" / "arg_groups" / "validation_hook.py").read_text()
     assert '"EAGLE3' in validation and "_AUX_HIDDEN_STATE_CAPTURE_METHODS" in validation
+    # bfloat16 unless the user names a dtype: SGLang's auto serves a float32 config in float16
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    config["extract"]["sglang"]["extra_args"] = ["--dtype", "float16"]
+    command = sglang_launch.launch_command(config, capture, python="python", sglang_version="0.5.23")
+    assert command.count("--dtype") == 1 and command[command.index("--dtype") + 1] == "float16"
 
 
 ARCHITECTURE_SOURCES = {

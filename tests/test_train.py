@@ -120,6 +120,77 @@ def test_packed_batch_restarts_positions_and_pads_with_no_loss(tiny_run):
     assert batch["tokens"].item() == first + second
 
 
+def test_padded_steps_all_have_one_shape_and_the_padding_rows_change_nothing(tiny_run):
+    """On CUDA every step is padded to token_budget x rows_per_step, the epoch's short last step
+    too, so that the compiled step is compiled once; empty rows add no loss, hits or gradient."""
+    from eaglenest import drafter as drafter_lib
+    from eaglenest import vocab
+
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    stream = loader.StepStream(dataset, 64, 3, seed=0, epochs=2, pad_to_budget=True)
+    assert any(len(rows) < 3 for _, rows in stream.schedule)  # a short step exists
+    shapes = {tuple(batch["aux_hidden"].shape) for _, _, batch in stream}
+    assert shapes == {(3, 64, len(LAYER_IDS) * 64)}
+
+    reader = loader.RowReader(dataset)
+    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
+    draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+    outcomes = []
+    for pad_rows in (None, 4):
+        model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
+        objective = train.TTTObjective(model, 3)
+        batch = train.to_device(reader.batch(rows, pad_to=64, pad_rows=pad_rows), torch.device("cpu"), torch.float32)
+        target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
+        positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 3)
+        results = objective(batch, target_logits, positions)
+        sum(ce for ce, _, _ in results).backward()
+        outcomes.append(([float(ce.detach()) for ce, _, _ in results], [int(h) for _, _, h in results],
+                         model.fc.weight.grad.clone(), int(batch["tokens"])))
+    (ce, hits, grad, tokens), (padded_ce, padded_hits, padded_grad, padded_tokens) = outcomes
+    assert padded_hits == hits and padded_tokens == tokens
+    assert padded_ce == pytest.approx(ce, rel=1e-5)
+    torch.testing.assert_close(padded_grad, grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="do not fit"):
+        reader.batch(rows, pad_to=64, pad_rows=1)
+
+
+def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_loader_s_own(tiny_run, tmp_path):
+    """On CUDA the loader hands fp8 rows and their scales to the trainer, which dequantizes on
+    the GPU: the same values, bit for bit, as dequantizing in the loader (float32 products
+    rounded once to the hidden dtype on either device)."""
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    hidden_paths, prepared_paths = [], []
+    for shard_path in dataset.shard_paths:
+        source = shards.ShardReader.open(shard_path)
+        tensors = source.hidden_tensors()
+        aux, aux_scale = shards.quantize_rows(tensors["aux_hidden"], len(LAYER_IDS))
+        last, last_scale = shards.quantize_rows(tensors["last_hidden"], 1)
+        out = tmp_path / "hidden" / Path(shard_path).name
+        meta = {"target": "tiny-llama", "target_hidden_size": 64, "layer_ids": LAYER_IDS, "dtype": "float8_e4m3"}
+        shards.write_hidden_shard(out, source, aux, last, meta, aux_scale, last_scale)
+        hidden_paths.append(str(out))
+        prepared_paths.append(str(Path(shard_path).parents[1] / "prepared" / Path(shard_path).name))
+    vocab_size = json.loads((Path(tiny_run["target_path"]) / "config.json").read_text())["vocab_size"]
+    consolidated = tmp_path / "consolidated"
+    expect = {**EXPECT, "dtype": "float8_e4m3"}
+    consolidate.consolidate(
+        hidden_paths, prepared_paths, consolidated / "index.json", consolidated / "draft_vocab.safetensors",
+        consolidated / "split.json", target_vocab_size=vocab_size, draft_vocab_size=64, expect=expect, val_fraction=0.2, seed=0,
+    )
+    fp8_set = loader.open_split(consolidated / "index.json", consolidated / "split.json", "train", expect)
+    rows = loader.epoch_steps(fp8_set, 64, 3, seed=0, epoch=0)[0]
+    plain = train.to_device(loader.RowReader(fp8_set).batch(rows, pad_to=64), torch.device("cpu"), torch.bfloat16)
+    kept = loader.RowReader(fp8_set, keep_fp8=True).batch(rows, pad_to=64, pad_rows=4)
+    assert kept["aux_hidden"].dtype == torch.float8_e4m3fn and kept["aux_hidden_scale"].shape == (4, 64, len(LAYER_IDS))
+    moved = train.to_device(kept, torch.device("cpu"), torch.bfloat16)
+    assert set(moved) == set(plain) and "aux_hidden_scale" not in moved
+    for name in ("aux_hidden", "last_hidden"):
+        assert moved[name].dtype == torch.bfloat16
+        assert torch.equal(moved[name][:3], plain[name]), name
+        assert not moved[name][3].any()  # the padding row
+
+
 def test_changed_shard_is_refused_by_the_loader(tiny_run, tmp_path):
     index = json.loads(Path(tiny_run["index_path"]).read_text())
     index["shards"][0]["checksums"]["aux_hidden"] = "0" * 64
