@@ -39,12 +39,8 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-<<<<<<< HEAD
-from eaglenest import atomic, drafter as drafter_lib, loader, vocab
-from eaglenest import settings as settings_lib
-=======
 from eaglenest import atomic, drafter as drafter_lib, loader, shards, vocab
->>>>>>> main
+from eaglenest import settings as settings_lib
 
 log = logging.getLogger("eaglenest.train")
 
