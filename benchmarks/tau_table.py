@@ -56,7 +56,7 @@ def main(out: str, *evaluate_dirs: str) -> None:
     names = [d.parent.name for d in runs]
     rng = np.random.default_rng(0)
     rows = []
-    for job_dir in sorted(p.parent for p in runs[0].glob("*/steps*/chunks")):
+    for job_dir in sorted(d for d in runs[0].glob("*/steps*") if d.is_dir()):
         eval_set, drafting = job_dir.parts[-2], job_dir.parts[-1]
         jobs = [job for job in (read_job(run / eval_set / drafting) for run in runs) if job is not None]
         if len(jobs) != len(runs):

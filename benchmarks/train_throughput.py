@@ -160,6 +160,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
         "lr": 1e-4, "warmup_steps": 1, "drafter": shape["drafter"], "device": str(device), "threads": args.threads,
         "log_every": 1, "checkpoint_every": 10**9, "init_head_from_target": True,
         **({"compile": True} if args.compile else {}), **({"attention": args.attention} if args.attention else {}),
+        **({"recompute_steps": True} if args.recompute_steps else {}),
     }
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -321,6 +322,8 @@ def main(argv=None):
     parser.add_argument("--check", action="store_true", help="first compare the flex and dense TTT paths (GPU)")
     parser.add_argument("--compile", action="store_true", help="train.compile: torch.compile the drafter layer")
     parser.add_argument("--attention", choices=["auto", "dense", "flex"], help="train.attention (default auto)")
+    parser.add_argument("--recompute-steps", action="store_true",
+                        help="train.recompute_steps: recompute each TTT step's activations in the backward pass")
     parser.add_argument("--hidden-dtype", choices=["bfloat16", "float8_e4m3"], default="bfloat16",
                         help="storage dtype of the random hidden shards (extract.dtype; the H200 configs use fp8)")
     parser.add_argument("--out", type=Path, required=True)
@@ -335,7 +338,8 @@ def main(argv=None):
     }
     results["settings"] = {"rows": args.rows, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
                            "sample_len": args.sample_len,
-                           "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto"}
+                           "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto",
+                           "recompute_steps": args.recompute_steps}
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)

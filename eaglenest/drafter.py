@@ -238,6 +238,20 @@ class TTTCache:
     def steps(self) -> int:
         return 0 if self.context_k is None else 1 + len(self.draft_k)
 
+    def copy(self) -> "TTTCache":
+        """A cache holding the same tensors in lists of its own: a step run on it leaves this
+        one as it was (training recomputes a step on a copy of the cache the step first saw)."""
+        twin = TTTCache(self.backend)
+        twin.context_k, twin.context_v, twin.context_mask = self.context_k, self.context_v, self.context_mask
+        twin.draft_k, twin.draft_v = list(self.draft_k), list(self.draft_v)
+        return twin
+
+    def adopt(self, other: "TTTCache") -> None:
+        """Take ``other``'s state (a copy this cache made, one step further on)."""
+        self.backend = other.backend
+        self.context_k, self.context_v, self.context_mask = other.context_k, other.context_v, other.context_mask
+        self.draft_k, self.draft_v = other.draft_k, other.draft_v
+
     def start(self, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor) -> None:
         """Keep step 0's keys/values and build the context mask once for every later step."""
         if self.backend == "auto":

@@ -150,7 +150,8 @@ class TTTObjective(nn.Module):
 
     def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int,
                  loss_chunk_rows: int = DEFAULTS["loss_chunk_rows"],
-                 attention_backend: str = DEFAULTS["attention"]):
+                 attention_backend: str = DEFAULTS["attention"],
+                 recompute_steps: bool = DEFAULTS["recompute_steps"]):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
@@ -159,6 +160,7 @@ class TTTObjective(nn.Module):
         # [positions, draft vocab] logits per TTT step (11 GB each in bf16 at 32K).
         self.loss_chunk_rows = loss_chunk_rows
         self.attention_backend = attention_backend
+        self.recompute_steps = recompute_steps
 
     def _soft_ce(self, normed_rows, target_logits, target_ids):
         logits = self.drafter.compute_logits(normed_rows)
@@ -189,8 +191,29 @@ class TTTObjective(nn.Module):
         for j in range(self.ttt_length):
             # Token x_{t+1+j}; across a sample boundary the id is irrelevant (never counted), use 0.
             step_ids = torch.where(shift_left(seg, 1 + j, -2) == seg, shift_left(ids, 1 + j, 0), 0)
-            normed, hidden = self.drafter.backbone(step_ids, hidden, pos + j, cache, seg)
+            if self.recompute_steps and torch.is_grad_enabled():
+                normed, hidden = self._recomputed_step(step_ids, hidden, pos + j, cache, seg)
+            else:
+                normed, hidden = self.drafter.backbone(step_ids, hidden, pos + j, cache, seg)
             yield j, normed
+
+    def _recomputed_step(self, step_ids, hidden, positions, cache, seg):
+        """One step whose activations are recomputed in the backward pass instead of kept
+        (train.recompute_steps: memory of one step's activations, not of all seven). The step
+        runs on a copy of the cache; the recomputation runs on another copy of the cache as this
+        step saw it, so it sees neither later steps' keys nor adds its own twice. The keys it
+        adds reach later steps through the copy the forward pass kept."""
+        seen = cache.copy()
+        ran = []
+
+        def step(step_ids, hidden, positions):
+            scratch = seen.copy()
+            ran.append(scratch)
+            return self.drafter.backbone(step_ids, hidden, positions, scratch, seg)
+
+        normed, hidden = torch.utils.checkpoint.checkpoint(step, step_ids, hidden, positions, use_reentrant=False)
+        cache.adopt(ran[0])
+        return normed, hidden
 
     def forward(self, batch, target_logits, positions):
         """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows;
@@ -489,7 +512,8 @@ def _train(
         raise ValueError(f"target hidden size {model.config.target_hidden_size} != shards' {train_set.hidden_size}")
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
-    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"])
+    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
+                             settings["recompute_steps"])
     if settings["compile"] and device.type == "cuda":
         # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

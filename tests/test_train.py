@@ -191,6 +191,38 @@ def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_load
         assert not moved[name][3].any()  # the padding row
 
 
+def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny_run):
+    """train.recompute_steps: every TTT step's activations are recomputed in the backward pass
+    (each step runs twice), on the cache as that step saw it: same losses, hits and gradients."""
+    from eaglenest import drafter as drafter_lib
+    from eaglenest import vocab
+
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
+    batch = train.to_device(loader.RowReader(dataset).batch(rows), torch.device("cpu"), torch.float32)
+    draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+    target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
+    positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 4)
+    outcomes = []
+    for recompute in (False, True):
+        model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
+        calls = []
+        model.midlayer.register_forward_hook(lambda *_: calls.append(1))
+        objective = train.TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute)
+        results = objective(batch, target_logits, positions)
+        forward_calls = len(calls)
+        sum(w * ce for w, (ce, _, _) in zip((1.0, 0.8, 0.64, 0.51), results)).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        outcomes.append(([float(ce.detach()) for ce, _, _ in results], [int(h) for _, _, h in results], grads,
+                         forward_calls, len(calls)))
+    (ce, hits, grads, _, calls), (re_ce, re_hits, re_grads, re_forward, re_calls) = outcomes
+    assert calls == re_forward == 4 and re_calls == 8  # each step ran again in the backward pass
+    assert re_hits == hits and re_ce == pytest.approx(ce, rel=1e-6)
+    for name in grads:
+        torch.testing.assert_close(re_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_changed_shard_is_refused_by_the_loader(tiny_run, tmp_path):
     index = json.loads(Path(tiny_run["index_path"]).read_text())
     index["shards"][0]["checksums"]["aux_hidden"] = "0" * 64
