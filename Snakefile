@@ -1,5 +1,6 @@
 # eaglenest: train an EAGLE-3 drafter for a target LLM.
-# Stages: data (assets, ingest, prepare) -> extract -> consolidate.
+# Stages: data (assets, ingest, regenerate, prepare) -> extract -> consolidate -> train
+# -> export -> evaluate; paths of every output: eaglenest/layout.py.
 from snakemake.utils import min_version
 
 min_version("9.0")

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from eaglenest import extract, shards
+from eaglenest import layer_ids as layer_id_convention
 
 HERE = Path(__file__).resolve().parent
 LENGTHS_FILE = HERE / "sharegpt_token_counts.json"
@@ -219,7 +220,7 @@ def run_shape(shape: str, args, device: str, dtype: torch.dtype, log) -> dict:
     tokens_per_batch = args.tokens_per_batch or (32768 if SHAPES[shape]["hidden_size"] < 2048 else 16384)
     shard_tokens = args.shard_tokens or (1_000_000 if shape == "smollm2-135m" else 300_000)
     model = build_model(shape, device, dtype)
-    layer_ids = extract.default_layer_ids(model.config.num_hidden_layers)
+    layer_ids = layer_id_convention.default_layer_ids(model.config.num_hidden_layers)
     vocab = model.config.vocab_size
     lengths = sample_lengths(shard_tokens, args.max_len, args.seed)
     prepared = write_prepared(work / "prepared" / "shard-00000.safetensors", lengths, vocab, args.seed)

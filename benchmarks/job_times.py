@@ -1,8 +1,8 @@
 """Wall time and peak memory of every job of one or more runs, from Snakemake's benchmark files.
 
-    python benchmarks/job_times.py OUT.json benchmarks/jobs/<run> [benchmarks/jobs/<run> ...]
+    python benchmarks/job_times.py OUT.json logs/<run>/benchmarks [logs/<run>/benchmarks ...]
 
-Each ``benchmark:`` file (benchmarks/jobs/<run>/<stage>[/...].tsv) holds one line of seconds,
+Each ``benchmark:`` file (logs/<run>/benchmarks/<stage>[/...].tsv) holds one line of seconds,
 max RSS and more; the JSON keeps seconds and MB per job, keyed by run and the job's path
 below the run, and prints a table.
 """
@@ -23,7 +23,8 @@ def job_times(run_dir: Path) -> dict:
 
 
 def main(out: str, *run_dirs: str) -> None:
-    table = {Path(d).name: job_times(Path(d)) for d in run_dirs}
+    # logs/<run>/benchmarks: keyed by <run>
+    table = {(Path(d).parent if Path(d).name == "benchmarks" else Path(d)).name: job_times(Path(d)) for d in run_dirs}
     Path(out).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"{'run':<22}{'job':<58}{'seconds':>9}{'max RSS MB':>12}")
     for run, jobs in table.items():

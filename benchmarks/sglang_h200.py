@@ -10,7 +10,7 @@ failures and merges the parts into results.json (``merge``).
     generate   MT-bench first turns, greedy, through /generate; accept lengths and tokens/s
     merge      parts -> results.json
 
-Works against eaglenest.standin_server too (same protocol), which is how it is tested
+Works against the test suite's stand-in server (tests/support/standin_server.py) too (same protocol), which is how it is tested
 without a GPU; ``generate`` needs only /generate with input_ids.
 """
 
@@ -135,9 +135,10 @@ def cmd_config(options) -> int:
 
 def cmd_extract(options) -> int:
     from eaglenest import extract, shards, sglang_client
+    from eaglenest import layer_ids as layer_id_convention
 
     hf = target_config(options.target_dir)
-    layer_ids = extract.resolve_layer_ids("default", hf["num_hidden_layers"])
+    layer_ids = layer_id_convention.resolve("default", hf["num_hidden_layers"])
     out = Path(options.work)
     out.mkdir(parents=True, exist_ok=True)
     part = {"prepared": options.prepared, "target": options.target_name, "layer_ids": layer_ids, "url": options.url}

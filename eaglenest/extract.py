@@ -43,21 +43,13 @@ from pathlib import Path
 import torch
 
 from eaglenest import atomic, shards
-from eaglenest.plan import default_layer_ids  # noqa: F401  (part of this module's API)
+from eaglenest import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 
 
 class InsufficientDiskError(RuntimeError):
     pass
-
-
-def resolve_layer_ids(layer_ids, num_layers: int) -> list[int]:
-    ids = default_layer_ids(num_layers) if layer_ids in (None, "default") else [int(i) for i in layer_ids]
-    for i in ids:
-        if not 0 <= i < num_layers:
-            raise ValueError(f"aux layer id {i} outside [0, {num_layers}) (HF convention: input of layer i)")
-    return ids
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
@@ -336,6 +328,31 @@ def to_storage(aux: torch.Tensor, last: torch.Tensor, dtype: str, num_aux_layers
     return {"aux_hidden": aux.to(storage), "last_hidden": last.to(storage)}
 
 
+class StorageRows:
+    """A shard's aux and last hidden rows as the shard stores them, filled a sample at a time
+    (the SGLang backend's answers arrive that way). fp8 rows are quantised as they arrive:
+    the scales are per row, so that equals quantising the whole shard at once."""
+
+    def __init__(self, tokens: int, hidden_size: int, num_aux_layers: int, dtype: str):
+        storage = shards.STORAGE_DTYPES[dtype]
+        self.dtype, self.num_aux_layers = dtype, num_aux_layers
+        self.tensors = {
+            "aux_hidden": torch.empty(tokens, num_aux_layers * hidden_size, dtype=storage),
+            "last_hidden": torch.empty(tokens, hidden_size, dtype=storage),
+        }
+        if dtype == shards.FP8_DTYPE:
+            self.tensors["aux_hidden_scale"] = torch.empty(tokens, num_aux_layers, dtype=torch.float32)
+            self.tensors["last_hidden_scale"] = torch.empty(tokens, 1, dtype=torch.float32)
+
+    def put(self, start: int, end: int, aux: torch.Tensor, last: torch.Tensor) -> None:
+        for name, rows in to_storage(aux, last, self.dtype, self.num_aux_layers).items():
+            self.tensors[name][start:end] = rows
+
+    def write(self, hidden_path, prepared, meta: dict) -> None:
+        scales = {name: self.tensors[name] for name in shards.SCALE_TENSORS.values() if name in self.tensors}
+        shards.write_hidden_shard(hidden_path, prepared, self.tensors["aux_hidden"], self.tensors["last_hidden"], meta, **scales)
+
+
 class _HostStaging:
     """Pinned host buffers that device rows are copied into on a side stream (CUDA only)."""
 
@@ -498,7 +515,7 @@ def extract_shard(
             f"config says the target has (num_layers, hidden_size)={expected_shape}, the model at "
             f"{target_path} has {(target_config.num_hidden_layers, target_config.hidden_size)}"
         )
-    layer_ids = resolve_layer_ids(layer_ids, target_config.num_hidden_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, target_config.num_hidden_layers)
     hidden = target_config.hidden_size
     bytes_per_token = shards.hidden_bytes_per_token(hidden, len(layer_ids), dtype)
     if check_disk:

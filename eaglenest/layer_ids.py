@@ -1,4 +1,4 @@
-"""Aux layer ids across the SGLang boundary.
+"""Aux layer ids: the run's ids, resolved and checked once, and their SGLang translation.
 
 eaglenest stores layer ids in HF convention everywhere (shard headers, config, drafter
 config): id i is the input of decoder layer i, i.e. ``hidden_states[i]`` of a
@@ -19,6 +19,35 @@ so both directions live here and are tested against the pinned sglang source.
 """
 
 from __future__ import annotations
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's aux layers in HF convention (input of decoder layer i): low, middle, high."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve(requested, num_layers: int) -> list[int]:
+    """extract.layer_ids ("default", None or a list) as the checked list every stage stores.
+
+    Ids must lie in [0, num_layers) and increase strictly: SGLang concatenates its captures
+    in layer order, so unsorted or repeated ids would scramble the drafter's fc input silently.
+    """
+    ids = default_layer_ids(num_layers) if requested in (None, "default") else [int(i) for i in requested]
+    if not ids:
+        raise ValueError("extract.layer_ids is empty: give at least one aux layer, or \"default\"")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"extract.layer_ids {bad} outside [0, {num_layers}) for a {num_layers}-layer target "
+            "(HF convention: id i is the input of decoder layer i)"
+        )
+    if any(a >= b for a, b in zip(ids, ids[1:])):
+        raise ValueError(
+            f"extract.layer_ids {ids} must be sorted and unique: SGLang concatenates the captured "
+            "layers in layer order, so the stored aux hidden states follow that order"
+        )
+    return ids
+
 
 # Model classes whose set_eagle3_layers_to_capture adds 1 to every id.
 ADDS_ONE_ALWAYS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})

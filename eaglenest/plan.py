@@ -14,27 +14,16 @@ import math
 import os
 from pathlib import Path
 
+from eaglenest import layer_ids as layer_id_convention
+
 STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 # Bytes per token besides the hidden states: int32 token id + uint8 loss mask.
 TOKEN_OVERHEAD_BYTES = 5
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's aux layers in HF convention (input of decoder layer i): low, middle, high."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def layer_ids(config: dict) -> list[int]:
-    requested = config["extract"].get("layer_ids", "default")
-    num_layers = config["target"]["num_layers"]
-    ids = default_layer_ids(num_layers) if requested == "default" else list(requested)
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"extract.layer_ids {bad} outside [0, {num_layers}) for a {num_layers}-layer target "
-            "(HF convention: id i is the input of decoder layer i)"
-        )
-    return ids
+    """The run's aux layer ids in HF convention, checked (eaglenest.layer_ids.resolve)."""
+    return layer_id_convention.resolve(config["extract"].get("layer_ids", "default"), config["target"]["num_layers"])
 
 
 def sample_selection(config: dict) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import json
 import os
 import re
@@ -36,7 +35,7 @@ from typing import Callable, Iterable
 
 import yaml
 
-from eaglenest import atomic, plan, shard_header  # shard_header: header checks without torch
+from eaglenest import atomic, layout, plan, settings, shard_header  # shard_header: header checks without torch
 
 OK, WARN, BLOCK, NA = "ok", "warn", "block", "not applicable"
 REPO = Path(__file__).resolve().parents[1]
@@ -45,19 +44,22 @@ HELD_MEMORY_MIB = 1024
 # Below this much headroom over the preflight's need, the disk check warns.
 DISK_MARGIN = 0.10
 # Later stages (written by other rule files) and the directory each fills under results/<run>/.
+# Paths from eaglenest.layout, the rules' own.
 LATER_STAGES = {
-    "checkpoints": ("train", Path("train") / "checkpoints"),
-    "drafter": ("train", Path("train") / "drafter"),
-    "export": ("export", Path("export")),
-    "eval": ("evaluate", Path("evaluate")),
+    "checkpoints": ("train", layout.RunLayout.checkpoint_dir),
+    "drafter": ("train", layout.RunLayout.drafter_dir),
+    "export": ("export", layout.RunLayout.export_path),
+    "eval": ("evaluate", layout.RunLayout.evaluation_path),
 }
 # The jobs after consolidate whose outputs recon checks, in order: rule -> (its outputs under
 # results/<run>/, the rule whose outputs it reads). A directory output counts only with its
 # config.json and an intact model.safetensors: Snakemake sees the directory and plans nothing.
 LATER_JOBS = {
-    "train_drafter": (("train/drafter", "train/training_summary.json"), "consolidate"),
-    "export_drafter": (("export/sglang", "export/vllm", "export/export_report.json"), "train_drafter"),
-    "evaluate_summary": (("evaluate/summary.json", "evaluate/summary.tsv"), "train_drafter"),
+    "train_drafter": (lambda paths: [paths.drafter_dir(), paths.training_summary()], "consolidate"),
+    "export_drafter": (
+        lambda paths: [paths.export_path("sglang"), paths.export_path("vllm"), paths.export_report()], "train_drafter"),
+    "evaluate_summary": (
+        lambda paths: [paths.evaluation_path("summary.json"), paths.evaluation_path("summary.tsv")], "train_drafter"),
 }
 NVIDIA_SMI_GPU_QUERY = "index,uuid,name,memory.used,memory.total,utilization.gpu"
 NVIDIA_SMI_APPS_QUERY = "gpu_uuid,pid,process_name,used_memory"
@@ -81,18 +83,7 @@ def _update_config(config: dict, overwrite: dict) -> None:
 
 def _validate_with_defaults(config: dict, schema: dict) -> None:
     """Validate like the workflow's ``validate(config, schema=...)``: defaults filled in."""
-    from jsonschema import Draft202012Validator, validators
-
-    check_properties = Draft202012Validator.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, subschema):
-        for name, property_schema in properties.items():
-            if isinstance(instance, dict) and "default" in property_schema:
-                instance.setdefault(name, copy.deepcopy(property_schema["default"]))
-        yield from check_properties(validator, properties, instance, subschema)
-
-    validator_class = validators.extend(Draft202012Validator, {"properties": set_defaults})
-    errors = sorted(validator_class(schema).iter_errors(config), key=lambda e: list(e.absolute_path))
+    errors = settings.validate_with_defaults(config, schema)
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(top level)"
         raise ReconError(f"config invalid at {where}: {errors[0].message}")
@@ -580,18 +571,18 @@ def _url_port(url: str) -> int | None:
 
 
 def _run_dir(workdir: Path, config: dict) -> Path:
-    return workdir / "results" / config["run"]
+    return layout.RunLayout(config, workdir).run_dir
 
 
 def hidden_location(config: dict, workdir: Path) -> Path:
     """Where the hidden shards are stored: extract.hidden_dir, which results/<run>/hidden links
     to once the workflow has run, else results/<run>/hidden."""
     configured = config["extract"].get("hidden_dir")
-    return workdir / configured if configured else _run_dir(workdir, config) / "hidden"
+    return workdir / configured if configured else Path(layout.RunLayout(config, workdir).hidden_dir())
 
 
 def _shard_name(shard_id: int) -> str:
-    return f"shard-{shard_id:05d}.safetensors"
+    return layout.shard_name(shard_id)
 
 
 def _mtimes(directory: Path) -> dict[str, float]:
@@ -639,9 +630,9 @@ def incomplete_markers(workdir: Path) -> list[dict]:
     return sorted(markers, key=lambda m: m["path"])
 
 
-def _later_stage(workdir: Path, run_dir: Path, repo: Path, key: str, deep: bool = False) -> dict:
+def _later_stage(workdir: Path, paths: layout.RunLayout, repo: Path, key: str, deep: bool = False) -> dict:
     rule_file, directory = LATER_STAGES[key]
-    path = run_dir / directory
+    path = Path(directory(paths))
     # A stage exists once the Snakefile includes its rule file.
     snakefile = repo / "Snakefile"
     has_rules = snakefile.exists() and f'"rules/{rule_file}.smk"' in snakefile.read_text()
@@ -691,7 +682,7 @@ def _output_mtime(path: Path) -> float:
     return (stamp if stamp.exists() else path).stat().st_mtime
 
 
-def later_jobs(config: dict, run_dir: Path, repo: Path, predicted: dict, marked) -> tuple[dict, list]:
+def later_jobs(config: dict, paths: layout.RunLayout, repo: Path, predicted: dict, marked) -> tuple[dict, list]:
     """The train, export and evaluate jobs snakemake will plan, and the damaged outputs it will not
     see (to remove first): {rule: 1}, [(rule, path, problem)]."""
     snakefile = repo / "Snakefile"
@@ -701,24 +692,24 @@ def later_jobs(config: dict, run_dir: Path, repo: Path, predicted: dict, marked)
         "export_drafter": '"rules/export.smk"' in included,
         "evaluate_summary": '"rules/evaluate.smk"' in included and config["evaluate"]["enabled"],
     }
-    consolidated = [run_dir / "consolidated" / n for n in ("index.json", "draft_vocab.safetensors", "split.json")]
-    inputs = {"consolidate": consolidated, "train_drafter": [run_dir / "train" / "drafter"]}
+    consolidated = [Path(p) for p in paths.consolidated_files()]
+    inputs = {"consolidate": consolidated, "train_drafter": [Path(paths.drafter_dir())]}
     if config["evaluate"].get("drafter"):
         enabled["evaluate_summary"] = False  # evaluates a drafter trained elsewhere: not this chain
     planned, damaged = {}, []
     for rule, (outputs, upstream) in LATER_JOBS.items():
         if not enabled[rule]:
             continue
-        paths = [run_dir / o for o in outputs]
-        problems = [(p, output_problem(p)) for p in paths]
+        output_paths = [Path(o) for o in outputs(paths)]
+        problems = [(p, output_problem(p)) for p in output_paths]
         for path, problem in problems:
             if problem and problem != "missing":
                 damaged.append((rule, path, problem))
         upstream_runs = upstream in predicted or upstream in planned
         upstream_times = [_output_mtime(p) for p in inputs.get(upstream, []) if p.exists()]
         missing = any(problem for _, problem in problems)
-        newer_input = not missing and max(upstream_times, default=0.0) > min(_output_mtime(p) for p in paths)
-        if upstream_runs or missing or newer_input or marked(paths):
+        newer_input = not missing and max(upstream_times, default=0.0) > min(_output_mtime(p) for p in output_paths)
+        if upstream_runs or missing or newer_input or marked(output_paths):
             planned[rule] = 1
     return planned, damaged
 
@@ -728,13 +719,14 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     if deep:
         from eaglenest import shards  # imports torch: checksums and values need it
 
-    run_dir = _run_dir(workdir, config)
+    paths = layout.RunLayout(config, workdir)
+    run_dir = paths.run_dir
     num_shards = plan.num_shards(config)
     layer_ids = plan.layer_ids(config)
     expect = {"target": config["target"]["name"], "layer_ids": layer_ids, "dtype": config["extract"]["dtype"]}
     # Shard paths as the workflow names them (results/<run>/hidden, a link with extract.hidden_dir);
     # read where they are stored.
-    hidden_dir, prepared_dir = run_dir / "hidden", run_dir / "prepared" / plan.prepared_key(config)
+    hidden_dir, prepared_dir = Path(paths.hidden_dir()), Path(paths.prepared_dir())
     stored_dir = hidden_location(config, workdir)
     hidden_leftovers, prepared_leftovers = _leftovers(stored_dir), _leftovers(prepared_dir)
     incomplete = {m["path"] for m in incomplete_markers(workdir) if m["exists"]}
@@ -797,10 +789,8 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
         tokens_source = numbers["tokens_source"]
 
     prepared_missing = [i for i in range(num_shards) if _shard_name(i) not in prepared_mtimes]
-    data_dir = run_dir / "data"
-    ingest_outputs = [data_dir / "conversations.jsonl", data_dir / "ingest_report.json"]
-    consolidated = run_dir / "consolidated"
-    consolidate_outputs = [consolidated / n for n in ("index.json", "draft_vocab.safetensors", "split.json")]
+    ingest_outputs = [Path(paths.conversations()), Path(paths.ingest_report())]
+    consolidate_outputs = [Path(p) for p in paths.consolidated_files()]
     source_paths = [workdir / s["path"] for s in config["data"]["sources"]]
 
     def stale(outputs: list[Path], input_mtimes: Iterable[float]) -> bool:
@@ -853,8 +843,8 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
             index_state.update(state="corrupt")
     else:
         index_state["state"] = "missing"
-    later = {key: _later_stage(workdir, run_dir, repo, key, deep) for key in LATER_STAGES}
-    later_planned, later_damaged = later_jobs(config, run_dir, repo, predicted, marked)
+    later = {key: _later_stage(workdir, paths, repo, key, deep) for key in LATER_STAGES}
+    later_planned, later_damaged = later_jobs(config, paths, repo, predicted, marked)
     predicted.update(later_planned)
 
     steps = []

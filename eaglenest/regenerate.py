@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglenest import atomic
+from eaglenest import settings as settings_lib
 from eaglenest.extract import length_batches
 from eaglenest.plan import REGENERATION_CONTENT
 from eaglenest.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_conversations
@@ -49,28 +50,33 @@ TRANSIENT_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
 
 @dataclasses.dataclass
 class Settings:
-    backend: str = "transformers"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    max_new_tokens: int = 512
-    seed: int = 0
-    on_failure: str = "keep_original"
-    retries: int = 3
+    """Section regenerate of the config; config/schema.yaml holds every default."""
+
+    enabled: bool
+    backend: str
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    seed: int
+    on_failure: str
+    retries: int
     # transformers backend
-    device: str = "auto"
-    batch_rows: int = 64
-    tokens_per_batch: int = 65536
+    device: str
+    gpus_per_job: int
+    batch_rows: int
+    tokens_per_batch: int
     # openai backend
-    url: str = "http://127.0.0.1:30000"
-    model: str | None = None
-    concurrency: int = 32
-    timeout_s: float = 600.0
-    backoff_s: float = 1.0
+    url: str
+    model: str | None
+    concurrency: int
+    timeout_s: float
+    backoff_s: float
+    threads: int
 
     @classmethod
-    def from_config(cls, section: dict) -> "Settings":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in section.items() if k in known})
+    def from_config(cls, section: dict | None = None) -> "Settings":
+        """The section (whole or partial) completed with the schema's defaults; unknown keys raise."""
+        return cls(**settings_lib.section(section, "regenerate"))
 
 
 @dataclasses.dataclass

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from eaglenest import atomic, extract, shards, sglang_patch
+from eaglenest import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class _ShardRequests:
 def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
                    disk_reserve_bytes: int) -> dict:
     """extract.preflight for a shard of a server with this target shape (from the run's config)."""
-    layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
     bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
     numbers = extract.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
     log.info("preflight: %s", numbers)
@@ -275,7 +276,7 @@ def extract_shard_via_server(
     hidden_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
     prepared = shards.verify_shard(prepared_path, deep=True)
-    layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
     started = time.perf_counter()
     if check_disk:  # before the server is asked anything: a refused shard costs nothing
         disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size, num_layers, dtype, disk_reserve_bytes)
@@ -284,9 +285,8 @@ def extract_shard_via_server(
     bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
     tensors = prepared.tensors(shards.PREPARED_TENSORS)
     counts, offsets, input_ids = prepared.token_counts, tensors["offsets"], tensors["input_ids"]
-    storage = shards.STORAGE_DTYPES[dtype]
-    aux_out = torch.empty(sum(counts), len(layer_ids) * hidden_size, dtype=storage)
-    last_out = torch.empty(sum(counts), hidden_size, dtype=storage)
+    # The shard's rows in storage dtype, fp8 quantised like the transformers backend's.
+    rows = extract.StorageRows(sum(counts), hidden_size, len(layer_ids), dtype)
     requests = _ShardRequests(
         url, info["spool_dir"] if spool_dir is None else spool_dir, hidden_path.name.split(".")[0],
         layer_ids, hidden_size, request_timeout_s, retries, backoff_s, max_consecutive_failures,
@@ -307,8 +307,7 @@ def extract_shard_via_server(
                 index = futures[future]
                 aux, last = future.result()  # raises the first failure; the finally cancels the rest
                 start, end = int(offsets[index]), int(offsets[index + 1])
-                aux_out[start:end] = aux.to(storage)
-                last_out[start:end] = last.to(storage)
+                rows.put(start, end, aux, last)
                 progress.update(end - start)
     except BaseException as err:
         requests.stop.set()
@@ -323,7 +322,7 @@ def extract_shard_via_server(
     requests.remove_leftovers()  # late answers to this job's own timed-out, retried requests
     computed = time.perf_counter()
     meta = {"target": target_name, "target_hidden_size": hidden_size, "layer_ids": layer_ids, "dtype": dtype}
-    shards.write_hidden_shard(hidden_path, prepared, aux_out, last_out, meta)
+    rows.write(hidden_path, prepared, meta)
     written = time.perf_counter()
     tokens = sum(counts)
     stats = {

@@ -52,21 +52,17 @@ from pathlib import Path
 
 from eaglenest import layer_ids as layer_id_convention
 from eaglenest import atomic, gpu_slots, sglang_client, sglang_patch
+from eaglenest import settings as settings_lib
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# extract.sglang.standin: the test suite's stand-in server, only in a source checkout.
+STANDIN_SERVER = REPO_ROOT / "tests" / "support" / "standin_server.py"
 
 
 def sglang_settings(config: dict) -> dict:
-    """extract.sglang with the schema's defaults (the launcher runs outside Snakemake)."""
-    defaults = {
-        "url": "http://127.0.0.1:30000",
-        "spool_dir": sglang_patch.DEFAULT_SPOOL_DIR,
-        "architecture": None,
-        "startup_timeout_s": 3600,
-        "extra_args": [],
-        "standin": False,
-    }
-    return {**defaults, **config.get("extract", {}).get("sglang", {})}
+    """extract.sglang with the schema's defaults (the launcher also runs outside Snakemake);
+    an unknown key raises."""
+    return settings_lib.section(config.get("extract", {}).get("sglang", {}), "extract", "sglang")
 
 
 def model_architecture(model_path: str | os.PathLike) -> str:
@@ -131,10 +127,16 @@ def launch_command(
 
 
 def standin_command(capture: dict, url: str, python: str = sys.executable) -> list[str]:
-    """eaglenest.standin_server with the settings the patched server would get (extract.sglang.standin)."""
+    """The test suite's stand-in server with the settings the patched server would get
+    (extract.sglang.standin, a test tool: it computes with transformers, one sample per request)."""
+    if not STANDIN_SERVER.is_file():
+        raise FileNotFoundError(
+            f"extract.sglang.standin starts the test suite's stand-in server {STANDIN_SERVER}, which only a "
+            "source checkout of eaglenest has; a production run serves the target with SGLang (standin: false)"
+        )
     address = urllib.parse.urlsplit(url)
     return [
-        python, "-m", "eaglenest.standin_server",
+        python, str(STANDIN_SERVER),
         "--model", capture["model_path"],
         "--target", capture["target"],
         "--layer-ids", *map(str, capture["layer_ids"]),

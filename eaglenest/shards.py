@@ -48,6 +48,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglenest import atomic, plan
+from eaglenest.layout import shard_name  # noqa: F401  (shards are named by the results layout)
 from eaglenest.shard_header import (  # noqa: F401  (the header API is part of this module's)
     FORMAT,
     FORMAT_VERSION,
@@ -75,10 +76,6 @@ SAFETENSORS_DTYPE_NAMES = {
     torch.int64: "I64", torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 HASH_CHUNK = 16 << 20
-
-
-def shard_name(shard_id: int) -> str:
-    return f"shard-{shard_id:05d}.safetensors"
 
 
 def hidden_bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:

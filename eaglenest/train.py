@@ -40,42 +40,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglenest import atomic, drafter as drafter_lib, loader, shards, vocab
+from eaglenest import settings as settings_lib
 
 log = logging.getLogger("eaglenest.train")
 
-DEFAULTS = {
-    "ttt_length": 7,
-    "decay": 0.8,
-    "epochs": 2,
-    "token_budget": 2048,
-    "rows_per_step": 2,
-    "lr": 1e-3,
-    "min_lr_ratio": 0.1,
-    "warmup_steps": 5,
-    "weight_decay": 0.0,
-    "max_grad_norm": 0.5,
-    "seed": 0,
-    "init_head_from_target": True,
-    "drafter": {},
-    # Speed and bookkeeping: never change the weights.
-    "device": "auto",
-    "threads": 2,
-    "prefetch": 2,
-    "loss_chunk_rows": 8192,
-    "attention": "auto",
-    "recompute_steps": False,
-    "compile": False,
-    "log_every": 1,
-    "val_every": 0,
-    "checkpoint_every": 10,
-    "keep_checkpoints": 2,
-    "deterministic": True,
-}
-# Keys that decide the weights a run ends with (the checkpoint fingerprint).
-CONTENT_KEYS = (
-    "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
-    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
-)
+# Every train setting and its default: config/schema.yaml, section train (the one source).
+DEFAULTS = settings_lib.defaults("train")
+# Keys that decide the weights a run ends with (the checkpoint fingerprint); rule
+# train_drafter passes the same keys as params.
+CONTENT_KEYS = settings_lib.TRAIN_CONTENT_KEYS
 CHECKPOINT_FORMAT = "eaglenest-train-checkpoint"
 # What the objective computes beyond the settings: a change of convention (TTT step j moved
 # from step 0's rotary positions to t + j) must neither resume an old checkpoint nor keep an
@@ -501,10 +474,7 @@ def _train(
     ``stop_after_steps`` ends the process's work after that many steps of this invocation
     without writing the final drafter (tests use it to make an interrupted run).
     """
-    settings = {**DEFAULTS, **(settings or {})}
-    unknown = sorted(set(settings) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"unknown train settings {unknown}")
+    settings = settings_lib.section(settings, "train")  # the schema's defaults; unknown keys raise
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -5,11 +5,15 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from eaglenest import plan
+from eaglenest import layout, plan, settings
+from eaglenest.drafting import Drafting
 
 validate(config, schema="../config/schema.yaml")
 
-RUN_DIR = Path("results") / config["run"]
+# Every path under results/<run>/ and logs/<run>/ comes from eaglenest.layout, which recon
+# and the test harnesses read too.
+LAYOUT = layout.RunLayout(config)
+RUN_DIR = LAYOUT.run_dir
 # extract.hidden_dir: results/<run>/hidden becomes a link to it, before any rule names a shard.
 plan.link_hidden_dir(RUN_DIR, config["extract"]["hidden_dir"], config["run"])
 LAYER_IDS = plan.layer_ids(config)
@@ -23,19 +27,20 @@ wildcard_constraints:
 
 
 def run_path(*parts):
-    return str(RUN_DIR.joinpath(*parts))
+    return LAYOUT.run_path(*parts)
 
 
 def log_path(*parts):
-    return str(Path("logs") / config["run"] / Path(*parts))
+    return LAYOUT.log_path(*parts)
 
 
 def benchmark_path(*parts):
-    return str(Path("benchmarks") / "jobs" / config["run"] / Path(*parts))
+    # Under logs/<run>/benchmarks: measurements of this run's jobs, not project source.
+    return LAYOUT.benchmark_path(*parts)
 
 
 def prepared_path(*parts):
-    return run_path("prepared", plan.prepared_key(config), *parts)
+    return LAYOUT.prepared_path(*parts)
 
 
 def prepared_shards():
@@ -43,7 +48,7 @@ def prepared_shards():
 
 
 def regenerated_path(*parts):
-    return run_path("regenerated", plan.regeneration_key(config), *parts)
+    return LAYOUT.regenerated_path(*parts)
 
 
 def prepare_conversations(wildcards):
@@ -51,7 +56,7 @@ def prepare_conversations(wildcards):
     regeneration is on (the same sharding), else all ingested conversations."""
     if plan.regeneration(config):
         return [regenerated_path(f"shard-{wildcards.shard}.jsonl")]
-    return [run_path("data", "conversations.jsonl")]
+    return [LAYOUT.conversations()]
 
 
 def regeneration_targets():
@@ -61,7 +66,7 @@ def regeneration_targets():
 
 
 def hidden_shards():
-    return expand(run_path("hidden", "shard-{shard}.safetensors"), shard=SHARD_IDS)
+    return [LAYOUT.hidden_shard(shard) for shard in SHARD_IDS]
 
 
 # extract.backend sglang with extract.sglang.start_server: the shards are cut into blocks
@@ -93,7 +98,7 @@ def block_server(wildcards):
     if not SERVER_PER_BLOCK:
         return {}
     block = shard_block(wildcards.shard)
-    return {"server": service(run_path("sglang", f"block-{block}.json"))}
+    return {"server": service(LAYOUT.server_record(block))}
 
 
 def extract_gpus():
@@ -138,7 +143,7 @@ def launcher_python():
 
 
 def embedded_target_dir():
-    return str(Path("resources") / "models" / "SmolLM2-135M-Instruct")
+    return str(layout.EMBEDDED_TARGET_DIR)
 
 
 def target_model_input():
@@ -170,33 +175,28 @@ def all_targets():
     # Hidden shards are targets themselves: a deleted or lost shard is rebuilt alone
     # even when everything downstream of it still exists.
     return hidden_shards() + [
-        run_path("data", "ingest_report.json"),
+        LAYOUT.ingest_report(),
         *regeneration_targets(),
-        prepared_path("prepare_report.json"),
-        run_path("consolidated", "index.json"),
-        run_path("consolidated", "draft_vocab.safetensors"),
-        run_path("consolidated", "split.json"),
-        run_path("train", "drafter"),
-        run_path("train", "training_summary.json"),
-        run_path("export", "export_report.json"),
+        LAYOUT.prepare_report(),
+        *LAYOUT.consolidated_files(),
+        LAYOUT.drafter_dir(),
+        LAYOUT.training_summary(),
+        LAYOUT.export_report(),
         *evaluation_targets(),
     ]
 
 
 def evaluation_path(*parts):
-    return run_path("evaluate", *parts)
+    return LAYOUT.evaluation_path(*parts)
 
 
 def eval_set_path(eval_set):
     """Where the fetch_eval_* rules unpack each eval set's prompts."""
-    names = {"mt_bench": "mt_bench_question.jsonl", "humaneval": "HumanEval.jsonl.gz"}
-    return str(Path("resources") / "eval" / names[eval_set])
+    return layout.eval_set_path(eval_set)
 
 
 def drafting_configs():
     """Drafting configuration name (steps<k>-topk<k>-tokens<n>) -> its settings."""
-    from eaglenest.speculate import Drafting
-
     configs = {}
     for values in config["evaluate"]["drafting"]:
         drafting = Drafting.from_dict(values)
@@ -210,7 +210,7 @@ def drafting_configs():
 
 def evaluation_drafter():
     """The drafter to evaluate: evaluate.drafter when set, else the one this run trains."""
-    return config["evaluate"].get("drafter") or run_path("train", "drafter")
+    return config["evaluate"].get("drafter") or LAYOUT.drafter_dir()
 
 
 def evaluation_part_path(eval_set, drafting, chunk):
@@ -265,5 +265,5 @@ onsuccess:
         )
 
 
-PLAN = plan.plan(config, prepared_path("prepare_report.json"))
+PLAN = plan.plan(config, LAYOUT.prepare_report())
 print(plan.describe(config, PLAN), file=sys.stderr)

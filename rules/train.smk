@@ -37,25 +37,8 @@ rule train_drafter:
         dtype=config["extract"]["dtype"],
         # eaglenest.train.OBJECTIVE: a new training convention retrains the drafter
         objective="ttt-rotary-t+j",
-        # the keys of eaglenest.train.CONTENT_KEYS (tests/test_train.py keeps them equal)
-        hyper={
-            key: config["train"][key]
-            for key in [
-                "ttt_length",
-                "decay",
-                "epochs",
-                "token_budget",
-                "rows_per_step",
-                "lr",
-                "min_lr_ratio",
-                "warmup_steps",
-                "weight_decay",
-                "max_grad_norm",
-                "seed",
-                "init_head_from_target",
-                "drafter",
-            ]
-        },
+        # the settings that decide the weights (eaglenest.settings.TRAIN_CONTENT_KEYS)
+        hyper={key: config["train"][key] for key in settings.TRAIN_CONTENT_KEYS},
         checkpoint_dir=run_path("train", "checkpoints"),
     script:
         "../scripts/train_drafter.py"

@@ -3,11 +3,11 @@
 Content-defining values come from params; speed and bookkeeping knobs from the config.
 """
 from eaglenest import joblog, train
+from eaglenest.settings import TRAIN_CONTENT_KEYS, TRAIN_PLACEMENT_KEYS
 
 stream = joblog.to_file(snakemake.log[0])
 settings = snakemake.config["train"]
-speed_knobs = ("device", "prefetch", "loss_chunk_rows", "attention", "recompute_steps", "compile", "log_every",
-               "val_every", "checkpoint_every", "keep_checkpoints", "deterministic")
+speed_knobs = [key for key in settings if key not in TRAIN_CONTENT_KEYS + TRAIN_PLACEMENT_KEYS]
 gpus = settings["gpus"]
 train.launch(
     {

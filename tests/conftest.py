@@ -11,11 +11,49 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest import tiny
+from support import tiny
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEFILE = REPO / "Snakefile"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
+
+
+# ---- running the suite on two workers (pytest-xdist) -----------------------------------------------
+# Each test module is one unit of work, so its module fixtures run once; modules that share a
+# session fixture, or the one local Slurm cluster, form one unit together. Units start longest
+# first: the Slurm tests mostly wait for the scheduler's status checks and the chaos run keeps
+# both cores busy, so the two overlap instead of adding up.
+SHARED_UNITS = {
+    "slurm": "slurm",  # tests/slurm/*: one slurmctld per session
+    "test_workflow": "finished_tiny_run",
+    "test_recon": "finished_tiny_run",
+}
+LONGEST_FIRST = ["slurm", "test_chaos", "test_e2e_smollm2", "finished_tiny_run", "test_regenerate",
+                 "test_sglang_service", "test_sglang_launch", "test_train", "test_evaluate", "test_export"]
+
+
+def work_unit(path: str | Path) -> str:
+    path = Path(path)
+    if path.parent.name == "slurm":
+        return SHARED_UNITS["slurm"]
+    return SHARED_UNITS.get(path.stem, path.stem)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(work_unit(item.path), len(rank)), order[id(item)]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole units to a worker, in the order collection put them (--no-loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid.split("::", 1)[0])
+
+    return UnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

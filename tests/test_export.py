@@ -38,7 +38,7 @@ VLLM_MEMBERS = [
     "vllm/model_executor/models/llama_eagle3.py",
     "vllm/transformers_utils/configs/speculators/algos.py",
 ]
-TINY_AUX_LAYERS = [2, 3, 4]  # tiny targets have 6 layers; [2, N//2, N-3] = [2, 3, 3] would repeat
+TINY_AUX_LAYERS = [2, 3, 4]  # the default [2, N//2, N-3] of the 7-layer tiny targets
 
 
 def _pinned_sources(requirement: str, members: list[str]) -> Path:

@@ -1,6 +1,6 @@
 """Cross-check of the vLLM export against an independent EAGLE-3 implementation (speculators).
 
-speculators==0.9.0 runs in its own virtual environment (scripts/peer_env.sh; cached under
+speculators==0.9.0 runs in its own virtual environment (tests/support/peer_env.sh; cached under
 EAGLENEST_PEER_VENV, default ~/.cache/eaglenest/peer-speculators-0.9.0). Its
 Eagle3DraftModel.from_pretrained loads our export, with the verifier (our tiny target)
 from a local directory and the hub switched off, and must produce our draft logits for
@@ -31,8 +31,8 @@ LENGTH = 128
 
 @pytest.fixture(scope="session")
 def peer_python() -> str:
-    result = subprocess.run(["bash", str(REPO / "scripts" / "peer_env.sh")], capture_output=True, text=True)
-    assert result.returncode == 0, f"scripts/peer_env.sh failed:\n{result.stderr[-3000:]}"
+    result = subprocess.run(["bash", str(REPO / "tests" / "support" / "peer_env.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, f"tests/support/peer_env.sh failed:\n{result.stderr[-3000:]}"
     return result.stdout.strip().splitlines()[-1]
 
 
@@ -73,7 +73,7 @@ def test_speculators_loads_our_vllm_export_and_drafts_the_same_logits(
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     mode = "embedding-from-export" if include_embed_tokens else "embedding-from-verifier"
     result = subprocess.run(
-        [peer_python, str(REPO / "tests" / "peer_eagle3_forward.py"), str(export_dir),
+        [peer_python, str(REPO / "tests" / "support" / "peer_eagle3_forward.py"), str(export_dir),
          str(tmp_path / "inputs.safetensors"), str(tmp_path / "peer.safetensors"), str(TTT_STEPS), mode],
         capture_output=True, text=True, env=env, timeout=600,
     )

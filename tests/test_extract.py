@@ -2,7 +2,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, prepare, shards
+from eaglenest import extract, plan, prepare, shards
+from eaglenest import layer_ids as layer_id_convention
 
 
 def lengths_and_ids(vocab, lengths, seed=0):
@@ -16,8 +17,8 @@ def lengths_and_ids(vocab, lengths, seed=0):
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_hooks_capture_the_same_tensors_as_output_hidden_states(arch, request):
     model = AutoModelForCausalLM.from_pretrained(str(request.getfixturevalue(arch)), dtype=torch.float32).eval()
-    layer_ids = extract.default_layer_ids(model.config.num_hidden_layers)
-    assert layer_ids == [2, 3, 3]
+    layer_ids = layer_id_convention.default_layer_ids(model.config.num_hidden_layers)
+    assert layer_ids == [2, 3, 4]
     layer_ids = [0, 2, 5]  # embeddings, a middle layer, the last decoder layer's input
     lengths = [17, 9, 30, 1]
     ids, offsets = lengths_and_ids(model.config.vocab_size, lengths)
@@ -53,8 +54,18 @@ def test_length_batches_group_by_length_within_the_token_budget():
 
 def test_layer_ids_outside_the_model_are_refused():
     with pytest.raises(ValueError, match="HF convention"):
-        extract.resolve_layer_ids([2, 15, 30], 30)
-    assert extract.resolve_layer_ids("default", 61) == [2, 30, 58]
+        layer_id_convention.resolve([2, 15, 30], 30)
+    assert layer_id_convention.resolve("default", 61) == [2, 30, 58]
+
+
+@pytest.mark.parametrize("ids", [[15, 2, 27], [2, 15, 15]], ids=["unsorted", "repeated"])
+def test_unsorted_or_repeated_layer_ids_are_refused_before_any_work(ids, tmp_path):
+    """SGLang concatenates captures in layer order: such ids would scramble fc's input silently."""
+    with pytest.raises(ValueError, match="sorted and unique"):
+        layer_id_convention.resolve(ids, 30)
+    config = {"target": {"num_layers": 30}, "extract": {"layer_ids": ids}}
+    with pytest.raises(ValueError, match="sorted and unique"):
+        plan.layer_ids(config)
 
 
 def test_extract_shard_writes_a_verified_shard_in_storage_dtype(tmp_path, tiny_llama):
@@ -63,7 +74,7 @@ def test_extract_shard_writes_a_verified_shard_in_storage_dtype(tmp_path, tiny_l
     shards.write_prepared_shard(prepared_path, 0, rows, {"target": "tiny"})
     hidden_path = tmp_path / "hidden" / "shard-00000.safetensors"
     stats = extract.extract_shard(prepared_path, hidden_path, tiny_llama, "tiny", "default", dtype="bfloat16", device="cpu")
-    reader = shards.verify_shard(hidden_path, expect={"target": "tiny", "layer_ids": [2, 3, 3], "dtype": "bfloat16"})
+    reader = shards.verify_shard(hidden_path, expect={"target": "tiny", "layer_ids": [2, 3, 4], "dtype": "bfloat16"})
     tensors = reader.tensors()
     assert tensors["aux_hidden"].dtype == torch.bfloat16 and tensors["aux_hidden"].shape == (25, 3 * 64)
     assert stats["bytes_per_token"] == shards.hidden_bytes_per_token(64, 3, "bfloat16")

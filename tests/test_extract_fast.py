@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, shards, tiny
+from eaglenest import extract, plan, shards
+from eaglenest import layer_ids as layer_id_convention
+from support import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [17, 9, 30, 1, 64, 3, 40]
@@ -45,7 +47,7 @@ def test_fast_path_shard_is_bitwise_equal_to_the_simple_path_in_fp32_on_cpu(tmp_
     # The simple driver over the same packed rows, whole shard in memory, one-shot writer.
     prepared = shards.ShardReader.open(prepared_path)
     tensors = prepared.tensors()
-    layer_ids = extract.default_layer_ids(model.config.num_hidden_layers)
+    layer_ids = layer_id_convention.default_layer_ids(model.config.num_hidden_layers)
     aux, last = extract.capture_hidden_states(
         model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], layer_ids, torch.float32, 70, layout="packed"
     )

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from eaglenest import prepare, shards
-from eaglenest.tiny import make_tokenizer
+from support.tiny import make_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "be brief"},

@@ -40,7 +40,7 @@ def run_shard(conversations, tmp_path, model, name="out", max_len=256, **setting
     out, report = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.report.json"
     result = regenerate.regenerate_shard(
         conversations, out, report, shard_id=0, num_shards=1, model_path=model, model_name="tiny-llama",
-        settings=regenerate.Settings(**{**SAMPLING, **settings}), max_len=max_len,
+        settings=regenerate.Settings.from_config({**SAMPLING, **settings}), max_len=max_len,
     )
     assert json.loads(report.read_text()) == result
     return read_jsonl(out), result
@@ -83,7 +83,7 @@ def test_later_turns_are_answered_after_the_regenerated_earlier_ones(conversatio
     written, _ = run_shard(conversations, tmp_path, tiny_llama)
     multi = next(c for c in written if len(c["regenerated_turns"]) >= 2)
     second = multi["regenerated_turns"][1]
-    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings(**SAMPLING))
+    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings.from_config(SAMPLING))
     # The prompt of the second answer holds the first regenerated answer, not the original.
     prompt = prepare.render(backend.tokenizer, multi["messages"][:second], add_generation_prompt=True)
     assert multi["messages"][multi["regenerated_turns"][0]]["content"] in prompt
@@ -102,7 +102,7 @@ def test_turns_past_max_len_keep_their_text_and_are_counted(conversations, tmp_p
 
 
 def test_batching_bounds_rows_and_tokens(tiny_llama):
-    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings(**{**SAMPLING, "batch_rows": 3, "tokens_per_batch": 200}))
+    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings.from_config({**SAMPLING, "batch_rows": 3, "tokens_per_batch": 200}))
     lengths = [50, 10, 90, 20, 30, 5, 60]
     groups = backend.batches(lengths)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))

@@ -60,7 +60,7 @@ def test_launcher_waits_until_the_server_answers_as_ours(tmp_path, tiny_llama):
 
 def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_path, tiny_llama):
     """The real Snakefile, backend sglang, against the stand-in server over HTTP."""
-    process, url, spool = start_standin(tmp_path, tiny_llama, layers=[2, 3, 3])
+    process, url, spool = start_standin(tmp_path, tiny_llama, layers=[2, 3, 4])
     try:
         conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
         workdir = tmp_path / "work"
@@ -80,7 +80,7 @@ def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_pat
     for path in hidden:
         direct = tmp_path / "direct" / path.name
         (prepared,) = (workdir / "results" / "tiny" / "prepared").rglob(path.name)
-        extract.extract_shard(prepared, direct, tiny_llama, "tiny-llama", [2, 3, 3], device="cpu", check_disk=False, tokens_per_batch=1)
+        extract.extract_shard(prepared, direct, tiny_llama, "tiny-llama", [2, 3, 4], device="cpu", check_disk=False, tokens_per_batch=1)
         via_server, reference = shards.verify_shard(path).tensors(), shards.verify_shard(direct).tensors()
         assert all(torch.equal(via_server[name], reference[name]) for name in shards.HIDDEN_TENSORS), path.name
 

@@ -1,6 +1,6 @@
 """The shard client against a real HTTP server on 127.0.0.1: the stand-in patched server.
 
-Each test starts eaglenest.standin_server as its own process (a tiny random-weight
+Each test starts the stand-in server (tests/support/standin_server.py) as its own process (a tiny random-weight
 Llama computed with transformers), so crashes are real process deaths and every
 request crosses a real socket.
 """
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from eaglenest import extract, shards, sglang_client
+from eaglenest.sglang_launch import STANDIN_SERVER
 
 TARGET = "tiny-llama"
 LAYERS = [2, 3, 4]
@@ -30,7 +31,7 @@ def start_standin(tmp_path: Path, model: Path, *extra: str, target: str = TARGET
     spool = tmp_path / "spool"
     ready = tmp_path / f"ready-{len(list(tmp_path.glob('ready-*')))}.json"
     command = [
-        sys.executable, "-m", "eaglenest.standin_server", "--model", str(model), "--target", target,
+        sys.executable, str(STANDIN_SERVER), "--model", str(model), "--target", target,
         "--layer-ids", *map(str, layers), "--spool-dir", str(spool), "--port", "0", "--ready-file", str(ready), *extra,
     ]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -81,7 +82,7 @@ def prepared_shard(tmp_path) -> Path:
 
 def client_kwargs(spool: Path, **overrides) -> dict:
     kwargs = dict(
-        target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=6, dtype="bfloat16",
+        target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=7, dtype="bfloat16",
         spool_dir=str(spool), concurrency=3, request_timeout_s=60, retries=1, backoff_s=0.05,
         max_consecutive_failures=3, check_disk=False,
     )
@@ -93,21 +94,26 @@ def assert_no_shard_left(hidden_dir: Path) -> None:
     assert not list(hidden_dir.glob("shard-*")), list(hidden_dir.iterdir())
 
 
-def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
+def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama, dtype):
+    """fp8 included: the client quantises each answer's rows as the transformers backend does."""
     _, url, spool = standin()
     via_server = tmp_path / "hidden-sglang" / shards.shard_name(0)
-    stats = sglang_client.extract_shard_via_server(prepared_shard, via_server, url, **client_kwargs(spool))
+    stats = sglang_client.extract_shard_via_server(prepared_shard, via_server, url, **client_kwargs(spool, dtype=dtype))
     assert stats["samples"] == 6
     direct = tmp_path / "hidden-transformers" / shards.shard_name(0)
     # One sample per forward on both sides: padding a sample into a longer batch changes
     # the fp32 GEMM blocking and so the last bits (measured: up to 2.6e-8), not the contract.
-    extract.extract_shard(prepared_shard, direct, tiny_llama, TARGET, LAYERS, device="cpu", check_disk=False, tokens_per_batch=1)
+    extract.extract_shard(prepared_shard, direct, tiny_llama, TARGET, LAYERS, dtype=dtype, device="cpu", check_disk=False,
+                          tokens_per_batch=1)
 
-    expect = {"kind": "hidden", "target": TARGET, "layer_ids": LAYERS, "dtype": "bfloat16"}
+    expect = {"kind": "hidden", "target": TARGET, "layer_ids": LAYERS, "dtype": dtype}
     server_shard = shards.verify_shard(via_server, deep=True, expect=expect).tensors()
     direct_shard = shards.verify_shard(direct, deep=True, expect=expect).tensors()
-    for name in shards.HIDDEN_TENSORS:
-        assert torch.equal(server_shard[name], direct_shard[name]), name
+    names = shards.HIDDEN_TENSORS + (tuple(shards.SCALE_TENSORS.values()) if dtype == shards.FP8_DTYPE else ())
+    assert set(server_shard) == set(direct_shard) == set(names)
+    for name in names:
+        assert torch.equal(server_shard[name].view(torch.uint8), direct_shard[name].view(torch.uint8)), name
     assert list(spool.iterdir()) == []  # every spool file was consumed
 
 

@@ -24,7 +24,7 @@ from conftest import (
     wait_until,
 )
 from eaglenest import extract, sglang_client, sglang_launch, sglang_patch, shards
-from group_jobs import planned_group_jobs
+from support.group_jobs import planned_group_jobs
 
 SHARDS = [f"{i:05d}" for i in range(4)]
 BLOCK_OF = {"00000": "00000", "00001": "00000", "00002": "00001", "00003": "00001"}  # 2 shards per server
@@ -76,7 +76,7 @@ def block_server_pid(service_file: Path, spool: Path) -> int | None:
             parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (FileNotFoundError, IndexError, ValueError):
             continue
-        if "eaglenest.standin_server" in cmdline and parent == record["launcher_pid"]:
+        if "standin_server.py" in cmdline and parent == record["launcher_pid"]:
             return pid
     return None
 
@@ -98,7 +98,7 @@ def assert_equals_transformers_backend(workdir: Path, tmp_path: Path, shard: str
     reference = tmp_path / "transformers" / path.name
     if not reference.exists():
         target = tiny_workflow_target(workdir)
-        extract.extract_shard(prepared, reference, target, "tiny-llama", [2, 3, 3], device="cpu", check_disk=False, tokens_per_batch=1)
+        extract.extract_shard(prepared, reference, target, "tiny-llama", [2, 3, 4], device="cpu", check_disk=False, tokens_per_batch=1)
     via_server, direct = shards.verify_shard(path, deep=True).tensors(), shards.verify_shard(reference).tensors()
     for name in shards.HIDDEN_TENSORS:
         assert torch.equal(via_server[name], direct[name]), f"{path.name}: {name}"
@@ -240,7 +240,7 @@ def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]
     """The launcher as rule sglang_server runs it, outside Snakemake."""
     config = {
         "run": "tiny",
-        "target": {"name": "tiny-llama", "path": str(model), "num_layers": 6, "hidden_size": 64, "vocab_size": 320},
+        "target": {"name": "tiny-llama", "path": str(model), "num_layers": 7, "hidden_size": 64, "vocab_size": 320},
         "extract": {"layer_ids": "default", "sglang": {"standin": True, "spool_dir": str(tmp_path / "spool")}},
     }
     service_file = tmp_path / "block-00000.json"
@@ -257,7 +257,7 @@ def test_launcher_as_a_service_publishes_its_server_and_stops_it_on_sigint(tmp_p
     try:
         record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120)
         assert record["launcher_pid"] == launcher.pid and record["info"]["target"] == "tiny-llama"
-        assert sglang_client.check_server(record["url"], "tiny-llama", [2, 3, 3], 64)["server"] == sglang_patch.SERVER_KIND
+        assert sglang_client.check_server(record["url"], "tiny-llama", [2, 3, 4], 64)["server"] == sglang_patch.SERVER_KIND
         launcher.send_signal(signal.SIGINT)  # Ctrl-C; Snakemake sends SIGTERM, tested through the workflow
         assert launcher.wait(timeout=60) == 0, (tmp_path / "launcher.log").read_text()
     finally:

@@ -229,7 +229,7 @@ def small_vocab_pair(tmp_path_factory):
     overlap enough that drafts are both accepted and rejected, and every outcome can be counted."""
     from transformers import AutoModelForCausalLM
 
-    from eaglenest import tiny
+    from support import tiny
 
     path = tmp_path_factory.mktemp("small-vocab") / "model"
     torch.manual_seed(5)

@@ -357,9 +357,13 @@ def test_two_gloo_processes_follow_the_one_process_loss_trajectory(tiny_run, tmp
 def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
     import re
 
+    from eaglenest import settings
+
     rule = (Path(__file__).resolve().parents[1] / "rules" / "train.smk").read_text()
-    listed = re.search(r"for key in \[(.*?)\]", rule, re.S).group(1)
-    assert re.findall(r'"(\w+)"', listed) == list(train.CONTENT_KEYS)
+    listed = re.search(r"hyper=\{key: config\[\"train\"\]\[key\] for key in ([\w.]+)\}", rule).group(1)
+    assert listed == "settings.TRAIN_CONTENT_KEYS" and train.CONTENT_KEYS == settings.TRAIN_CONTENT_KEYS
+    # Every content key is a train setting of the schema, and the defaults are the schema's.
+    assert set(train.CONTENT_KEYS) <= set(train.DEFAULTS) == set(settings.section_schema("train")["properties"])
     assert re.search(r'objective="([^"]+)"', rule).group(1) == train.OBJECTIVE
 
 

@@ -41,6 +41,8 @@ def missing_daemons() -> list[str]:
     return [name for name in ("munged", "slurmctld", "slurmd", "sbatch", "squeue") if shutil.which(name) is None]
 
 
+# MinJobAge: slurmctld remembers a finished job for an hour (the default is 5 minutes), so a
+# test run through Slurm that takes longer on a busy machine still finds all of its jobs.
 def slurm_conf_text(node: str, state_dir: Path) -> str:
     return f"""{OWNER_MARK}
 ClusterName=eaglenest-test
@@ -67,6 +69,7 @@ JobAcctGatherType=jobacct_gather/none
 MpiDefault=none
 SlurmctldTimeout=30
 SlurmdTimeout=30
+MinJobAge=3600
 NodeName={node} CPUs={NODE_CPUS} RealMemory={NODE_MEMORY_MB} Gres=gpu:{NODE_GPUS} State=UNKNOWN
 PartitionName={DEFAULT_PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP
 PartitionName={PARTITION} Nodes={node} Default=NO MaxTime=INFINITE State=UP

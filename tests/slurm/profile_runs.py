@@ -65,7 +65,7 @@ def planned_through_slurm(workdir: Path, configfile: Path, **kwargs) -> dict[str
 
 def finished_jobs() -> dict[str, dict[str, str]]:
     """Slurm job id -> partition, state, comment (rule and wildcards), start and end, for
-    every job slurmctld still remembers (MinJobAge: 5 minutes after it ended)."""
+    every job slurmctld still remembers (local_slurm's MinJobAge: an hour after it ended)."""
     fields = ("partition", "state", "comment", "start", "end")
     result = subprocess.run(
         ["squeue", "--states=all", "--noheader", "--format=%i|%P|%T|%k|%S|%e"],

@@ -111,7 +111,9 @@ def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_c
     assert len(extract_resources) == 4
     for resources in extract_resources:
         assert f"slurm_partition={local_slurm.PARTITION}," in resources and "gpu=1," in resources and "cpus_per_gpu=8" in resources
-    assert set(finished_jobs()) == jobs_before
+    # No new job id: jobs of earlier tests may age out of slurmctld's memory meanwhile (MinJobAge),
+    # so the ids left are a subset of those before, and any submitted job would be a new one.
+    assert set(finished_jobs()) <= jobs_before
     assert not (workdir / "results").exists()
 
 

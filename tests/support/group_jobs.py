@@ -6,7 +6,7 @@ up, runtime excepted). This builds the DAG through Snakemake's API as ``snakemak
 does, with the resources of a profile when one is given, and prints every group job as
 JSON. Run it in a subprocess (Snakemake's API changes directory and keeps global state):
 
-    python tests/group_jobs.py SNAKEFILE WORKDIR CONFIGFILE [PROFILE_DIR]
+    python tests/support/group_jobs.py SNAKEFILE WORKDIR CONFIGFILE [PROFILE_DIR]
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def make_tokenizer(vocab_size: int = 320):
     return tokenizer
 
 
-def tiny_config(arch: str = "llama", vocab_size: int = 320, num_layers: int = 6, hidden_size: int = 64, **overrides):
+def tiny_config(arch: str = "llama", vocab_size: int = 320, num_layers: int = 7, hidden_size: int = 64, **overrides):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
@@ -126,7 +126,7 @@ def workflow_config(
     """``base`` (a workflow config) turned into a run on a tiny target made by make_tiny_target
     with its defaults: minutes of CPU for the whole pipeline."""
     config = dict(base, run=run)
-    config["target"] = {"name": "tiny-llama", "path": str(target), "embedded": None, "num_layers": 6, "hidden_size": 64, "vocab_size": 320}
+    config["target"] = {"name": "tiny-llama", "path": str(target), "embedded": None, "num_layers": 7, "hidden_size": 64, "vocab_size": 320}
     config["data"] = dict(
         base["data"], sources=[{"name": "synthetic", "path": str(conversations)}],
         max_conversations=max_conversations, samples_per_shard=samples_per_shard, max_len=256,

@@ -17,7 +17,7 @@ like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the p
 ``--chat-fail-first N`` answers the first N chat requests with 503 (a server warming up),
 ``--chat-fail-containing TEXT`` answers 500 to every chat request whose user turns contain TEXT.
 
-    python -m eaglenest.standin_server --model DIR --target NAME --port 30000
+    python tests/support/standin_server.py --model DIR --target NAME --port 30000
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from eaglenest import layer_ids as layer_id_convention
 from eaglenest import sglang_patch
 
 
@@ -47,7 +48,7 @@ class StandinModel:
         self.torch = torch
         self.extract = extract
         num_layers = self.model.config.num_hidden_layers
-        self.layer_ids = extract.resolve_layer_ids(layer_ids, num_layers)
+        self.layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
         self.lock = threading.Lock()
         architecture = (self.model.config.architectures or [type(self.model).__name__])[0]
         self.settings = {
@@ -177,7 +178,7 @@ def make_handler(options, state: dict):
 def chat_generator(options):
     from eaglenest.regenerate import Settings, TransformersBackend
 
-    return TransformersBackend(options.model, Settings(device="cpu", retries=0))
+    return TransformersBackend(options.model, Settings.from_config({"device": "cpu", "retries": 0}))
 
 
 def serve(options) -> None:

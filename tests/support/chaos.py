@@ -1,6 +1,6 @@
 """Chaos harness: run the pipeline once cleanly, then again under faults, and compare.
 
-    python -m eaglenest.chaos --workdir /tmp/chaos --kills 20 --seed 1
+    python tests/support/chaos.py --workdir /tmp/chaos --kills 20 --seed 1
 
 Faults, each followed by what the README tells a user to do:
   * kill       SIGKILL the whole Snakemake process group at a random moment; then
@@ -19,7 +19,7 @@ Faults, each followed by what the README tells a user to do:
   * checkpoint_corrupt  flip / truncate / zero-fill the checkpoint a resume would read; the
                rerun must name it, resume from the one before it and end with the same drafter.
   * server_*   one hidden shard extracted through the stand-in SGLang server
-               (eaglenest.standin_server) with a fault switched on: it dies mid-shard, is slow,
+               (tests/support/standin_server.py) with a fault switched on: it dies mid-shard, is slow,
                answers rows of the wrong shape or for other token ids, or is a vLLM server, an
                SGLang without the patch, or ours with other layers. The job must fail saying so
                and leave no shard; with a healthy server the rerun writes the shard bitwise equal
@@ -50,22 +50,13 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest import atomic, plan, recon, shards
+from eaglenest import atomic, layout, plan, recon, shards
+from eaglenest.sglang_launch import STANDIN_SERVER
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+if __package__ in (None, ""):  # run as a script (python tests/support/chaos.py): find the support package
+    sys.path.insert(0, str(REPO / "tests"))
 LOCKED_HINT = "--unlock"
-# Which stage an in-flight output belongs to, by its path under results/<run>/.
-STAGE_BY_DIR = {
-    "data": "ingest",
-    "prepared": "prepare",
-    "hidden": "extract",
-    "consolidated": "consolidate",
-    "train": "train",
-    "export": "export",
-    "evaluate": "evaluate",
-}
-
-
 @dataclass
 class Tally:
     faults: dict = field(default_factory=dict)
@@ -83,11 +74,14 @@ class Workflow:
 
     def __init__(self, workdir: Path, configfile: Path, cores: int = 2):
         self.workdir, self.configfile, self.cores = workdir, configfile, cores
-        self.run_name = yaml.safe_load(configfile.read_text())["run"]
+        config = yaml.safe_load(configfile.read_text())
+        self.run_name = config["run"]
+        # The rules' own paths: rooted here for reading, relative for naming Snakemake targets.
+        self.layout, self.targets = layout.RunLayout(config, root=workdir), layout.RunLayout(config)
 
     @property
     def results(self) -> Path:
-        return self.workdir / "results" / self.run_name
+        return self.layout.run_dir
 
     def command(self, *args: str, targets: tuple[str, ...] = ()) -> list[str]:
         return [
@@ -126,9 +120,9 @@ class Workflow:
         """Stages with outputs Snakemake has marked incomplete (jobs running right now)."""
         stages = set()
         for marker in recon.incomplete_markers(self.workdir):
-            parts = Path(marker["path"]).parts
-            if "results" in parts and len(parts) > parts.index("results") + 2:
-                stages.add(STAGE_BY_DIR.get(parts[parts.index("results") + 2], "other"))
+            stage = layout.stage_of(marker["path"])
+            if stage is not None:
+                stages.add(stage)
         return stages
 
 
@@ -201,7 +195,7 @@ def corrupt_file(path: Path, how: str, rng: random.Random) -> None:
 
 def inject_corruption(workflow: Workflow, rng: random.Random, tally: Tally) -> dict:
     """Corrupt one finished shard; the run must refuse it by name; rebuild only it."""
-    hidden = sorted((workflow.results / "hidden").glob("shard-*.safetensors"))
+    hidden = sorted(Path(workflow.layout.hidden_dir()).glob("shard-*.safetensors"))
     victim = rng.choice(hidden)
     how = rng.choice(["flip", "truncate", "zero"])
     before = {p.name: p.stat().st_mtime_ns for p in hidden if p != victim}
@@ -224,20 +218,20 @@ def inject_corruption(workflow: Workflow, rng: random.Random, tally: Tally) -> d
         victim.unlink()  # what the error message tells the user to do
         result = workflow.resume(tally)
     rebuilt_only_victim = all(
-        (workflow.results / "hidden" / name).stat().st_mtime_ns == mtime for name, mtime in before.items()
+        Path(workflow.layout.hidden_dir(), name).stat().st_mtime_ns == mtime for name, mtime in before.items()
     )
     return {"victim": victim.name, "how": how, "refused_by_name": refused, "consumed": consumed,
             "rebuilt_only_victim": rebuilt_only_victim, "completed": result.returncode == 0}
 
 
 def _logs(workflow: Workflow) -> str:
-    log_dir = workflow.workdir / "logs" / workflow.run_name
+    log_dir = Path(workflow.layout.log_path())
     return "".join(p.read_text(errors="replace") for p in log_dir.rglob("*.log")) if log_dir.is_dir() else ""
 
 
 def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflight: bool) -> dict:
     """Results on a tmpfs that cannot hold them; fail clearly; grow it; complete."""
-    mount_point = workflow.workdir / "results"
+    mount_point = workflow.workdir / layout.RESULTS
     mount_point.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={small_bytes}", "tmpfs", str(mount_point)], check=True)
     try:
@@ -322,7 +316,7 @@ class LogMarks:
     HEAD = 64
 
     def __init__(self, workflow: Workflow):
-        self.log_dir = workflow.workdir / "logs" / workflow.run_name
+        self.log_dir = Path(workflow.layout.log_path())
         self.ends = {path: (path.stat().st_size, self._head(path)) for path in self._logs()}
 
     def _logs(self) -> list[Path]:
@@ -349,11 +343,11 @@ def drafter_outputs(outputs: dict[str, bytes]) -> dict[str, bytes]:
 
 def train_targets(workflow: Workflow) -> tuple[str, ...]:
     """The train rule's outputs: the rerun goes as far as training, not through export and evaluation."""
-    return (f"results/{workflow.run_name}/train/training_summary.json",)
+    return (workflow.targets.training_summary(),)
 
 
 def checkpoint_dir(workflow: Workflow) -> Path:
-    return workflow.results / "train" / "checkpoints"
+    return Path(workflow.layout.checkpoint_dir())
 
 
 def unmount_keeping_files(mount_point: Path) -> None:
@@ -395,7 +389,7 @@ def inject_checkpoint_disk_full(workflow: Workflow, tally: Tally, checkpoint_byt
             "partial_files_left": len(list(mount_point.glob(f"*{atomic.TMP_MARKER}*"))),
             "checkpoints_left": [p.name for p in left],
             "unverifiable_checkpoints_left": [p.name for p in left if train.checkpoint_problem(p, recorded)],
-            "drafter_left": (workflow.results / "train" / "drafter").exists(),
+            "drafter_left": Path(workflow.layout.drafter_dir()).exists(),
         }
         subprocess.run(["mount", "-o", "remount,size=64m", str(mount_point)], check=True)  # space is made
         marks = LogMarks(workflow)
@@ -420,8 +414,8 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
     directory = checkpoint_dir(workflow)
     saved = train.checkpoint_paths(directory)
     victim, older = saved[-1], saved[:-1]
-    shutil.rmtree(workflow.results / "train" / "drafter")
-    (workflow.results / "train" / "training_summary.json").unlink()
+    shutil.rmtree(workflow.layout.drafter_dir())
+    Path(workflow.layout.training_summary()).unlink()
     corrupt_file(victim, how, rng)
     if train.checkpoint_problem(victim, train.read_checksums(directory)) is None:
         tally.notes.append(f"corruption ({how}) of {victim.name} left its bytes unchanged; redone as truncate")
@@ -448,7 +442,7 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
     }
 
 
-# ---- a faulty SGLang server: the real stand-in (eaglenest.standin_server) with its fault switches -
+# ---- a faulty SGLang server: the real stand-in (support.standin_server) with its fault switches -
 
 
 SLOW_SERVER_DELAY_S = 3.0  # the slow server's answer time; the job's request timeout is 1 s
@@ -473,13 +467,13 @@ SERVER_FAULT_NAMES = list(server_faults(2, [0, 1, 2]))
 
 
 class StandinServer:
-    """eaglenest.standin_server as its own process on a free port; stop() ends it."""
+    """The stand-in server (standin_server.py) as its own process on a free port; stop() ends it."""
 
     def __init__(self, workdir: Path, config: dict, spool_dir: Path, switches: list[str]):
         ready = workdir / f"standin-ready-{time.monotonic_ns()}.json"
         layer_args = [] if "--layer-ids" in switches else ["--layer-ids", *map(str, plan.layer_ids(config))]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "eaglenest.standin_server", "--model", str(workdir / config["target"]["path"]),
+            [sys.executable, str(STANDIN_SERVER), "--model", str(workdir / config["target"]["path"]),
              "--target", config["target"]["name"], *layer_args, "--spool-dir", str(spool_dir),
              "--port", "0", "--ready-file", str(ready), *switches],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -523,9 +517,9 @@ def inject_server_faults(reference: Workflow, workdir: Path, names: list[str], r
 
     workflow = copy_finished_run(reference, workdir)
     config = yaml.safe_load(workflow.configfile.read_text())
-    hidden_dir = workflow.results / "hidden"
+    hidden_dir = Path(workflow.layout.hidden_dir())
     victim = rng.choice(sorted(hidden_dir.glob("shard-*.safetensors")))
-    prepared = workflow.results / "prepared" / plan.prepared_key(config) / victim.name
+    prepared = Path(workflow.layout.prepared_path(victim.name))
     samples = shards.verify_shard(prepared, deep=True).metadata["sample_ids"]
     direct = workdir / "transformers-backend" / victim.name
     extract.extract_shard(prepared, direct, workdir / config["target"]["path"], config["target"]["name"], plan.layer_ids(config),
@@ -587,16 +581,16 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def tiny_setup(workdir: Path, conversations: int) -> Path:
+def tiny_setup(workdir: Path, conversations: int, samples_per_shard: int = 8) -> Path:
     """A tiny random target and synthetic conversations; returns the config path."""
-    from eaglenest import tiny
+    from support import tiny
 
     target = tiny.make_tiny_target(workdir / "target")
     source = tiny.synthetic_conversations(workdir / "conversations.jsonl", conversations)
     base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     # Frequent checkpoints make kills during training count.
     config = tiny.workflow_config(base, target, source, run="chaos", max_conversations=conversations,
-                                  samples_per_shard=8, checkpoint_every=3)
+                                  samples_per_shard=samples_per_shard, checkpoint_every=3)
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -642,7 +636,7 @@ class KindTable:
 
 
 def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = None, disk_full: bool = True,
-              corruptions: int = 1, bad_record_examples: int = 200, conversations: int = 40,
+              corruptions: int = 1, bad_record_examples: int = 200, conversations: int = 40, samples_per_shard: int = 8,
               checkpoint_disk_full: bool = True, checkpoint_corruptions: int = 1,
               server_fault_names: list[str] | None = None) -> dict:
     """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none."""
@@ -651,7 +645,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
     if configfile is None:
-        configfile = tiny_setup(workdir / "inputs", conversations)
+        configfile = tiny_setup(workdir / "inputs", conversations, samples_per_shard)
     server_fault_names = SERVER_FAULT_NAMES if server_fault_names is None else server_fault_names
     unknown = sorted(set(server_fault_names) - set(SERVER_FAULT_NAMES))
     if unknown:
@@ -715,8 +709,8 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
         server_results = inject_server_faults(reference, workdir / "server-faults", server_fault_names, rng, tally)
 
     bad = bad_records_check(workdir, rng, bad_record_examples)
-    reference_samples = json.loads((reference.results / "consolidated" / "index.json").read_text())["totals"]["samples"]
-    index_path = faulty.results / "consolidated" / "index.json"
+    reference_samples = json.loads(Path(reference.layout.consolidated("index.json")).read_text())["totals"]["samples"]
+    index_path = Path(faulty.layout.consolidated("index.json"))
     faulty_samples = json.loads(index_path.read_text())["totals"]["samples"] if index_path.exists() else 0
     pipeline_identical = observed == expected
 
@@ -749,7 +743,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
             for key, paths in leftovers(Workflow(directory, configfile)).items():
                 left[key] += paths
     summary = {
-        "command": " ".join(["python -m eaglenest.chaos", f"--kills {kills}", f"--seed {seed}"]),
+        "command": " ".join(["python tests/support/chaos.py", f"--kills {kills}", f"--seed {seed}"]),
         "reference_seconds": round(reference_seconds, 1),
         "faults_injected": tally.faults,
         "kills_by_stage_in_flight": tally.stages_hit,
@@ -812,7 +806,7 @@ def format_table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eaglenest.chaos", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tests/support/chaos.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("chaos-run"))
     parser.add_argument("--config", type=Path, default=None, help="workflow config (default: a tiny random target)")
     parser.add_argument("--kills", type=int, default=20)

@@ -1,4 +1,4 @@
-"""Runs inside the speculators environment (scripts/peer_env.sh), never in eaglenest's.
+"""Runs inside the speculators environment (tests/support/peer_env.sh), never in eaglenest's.
 
 Loads an eaglenest vLLM export with speculators' own Eagle3DraftModel and writes the draft
 logits of every TTT step for the inputs given, so tests/test_export_peer.py

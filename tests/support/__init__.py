@@ -1,0 +1,10 @@
+"""Test tools, not part of the eaglenest package: tiny random-weight targets (tiny), the chaos
+harness (chaos), the stand-in SGLang server (standin_server), the peer-implementation helpers
+(peer_env.sh, peer_eagle3_forward.py) and the group-job planner (group_jobs).
+
+The tests import them as ``support.<name>`` (tests/ is on the test session's path); the
+stand-in server and the chaos harness also run as scripts from a source checkout:
+
+    python tests/support/chaos.py --workdir /tmp/chaos --kills 20 --seed 1
+    python tests/support/standin_server.py --model DIR --target NAME --port 30000
+"""

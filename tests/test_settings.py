@@ -1,0 +1,66 @@
+"""One source per fact: every default in config/schema.yaml, unknown keys refused everywhere,
+planning without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import DEFAULT_CONFIG, REPO
+from eaglenest import layout, regenerate, settings, sglang_launch, sglang_patch
+
+
+def schema_defaults(*path):
+    return {key: sub["default"] for key, sub in settings.section_schema(*path)["properties"].items() if "default" in sub}
+
+
+def test_code_reads_its_defaults_from_the_schema():
+    from eaglenest import train
+
+    assert train.DEFAULTS == schema_defaults("train")
+    assert train.DEFAULTS["token_budget"] == 8192 and train.DEFAULTS["lr"] == 1e-4
+    assert vars(regenerate.Settings.from_config({})) == schema_defaults("regenerate")
+    assert sglang_launch.sglang_settings({}) == schema_defaults("extract", "sglang")
+    assert sglang_patch.DEFAULT_SPOOL_DIR == schema_defaults("extract", "sglang")["spool_dir"]
+
+
+@pytest.mark.parametrize("section", ["train", "regenerate", "sglang"])
+def test_an_unknown_key_raises_in_every_section(section):
+    with pytest.raises(ValueError, match="backof_s"):
+        if section == "train":
+            settings.section({"backof_s": 1}, "train")
+        elif section == "regenerate":
+            regenerate.Settings.from_config({"backof_s": 1})
+        else:
+            sglang_launch.sglang_settings({"extract": {"sglang": {"backof_s": 1}}})
+
+
+def test_a_bad_value_names_the_key():
+    with pytest.raises(ValueError, match=r"train\.lr"):
+        settings.section({"lr": -1}, "train")
+
+
+def test_the_layout_names_the_paths_the_rules_use():
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    paths = layout.RunLayout(config)
+    assert paths.hidden_shard("00007") == f"results/{config['run']}/hidden/shard-00007.safetensors"
+    assert paths.benchmark_path("train.tsv") == f"logs/{config['run']}/benchmarks/train.tsv"
+    assert layout.stage_of(f"results/{config['run']}/consolidated/index.json") == "consolidate"
+    assert layout.stage_of("logs/x/train.log") is None
+
+
+def test_planning_a_run_imports_no_torch(tmp_path):
+    """snakemake -n of the default config with torch made unimportable."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from snakemake.cli import main\n"
+        f"sys.argv = ['snakemake', '-n', '--snakefile', {str(REPO / 'Snakefile')!r}, '--directory', {str(tmp_path)!r},"
+        f" '--configfile', {str(DEFAULT_CONFIG)!r}, '--quiet', 'rules']\n"
+        "main()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "eaglenest plan for run" in result.stderr
