@@ -53,7 +53,7 @@ SHAPES = {
     ),
     # CI smoke size.
     "tiny": dict(
-        hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=64, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, vocab_size=320, max_position_embeddings=2048, tie_word_embeddings=True,
     ),
 }
