@@ -111,6 +111,11 @@ def epoch_steps(dataset: Dataset, token_budget: int, rows_per_step: int, seed: i
     return [rows[i : i + rows_per_step] for i in range(0, len(rows), rows_per_step)]
 
 
+def rows_per_rank(rows_per_step: int, world_size: int) -> int:
+    """The most rows one rank gets of a step (``rows[rank::world_size]``): what a padded batch holds."""
+    return -(-rows_per_step // world_size)
+
+
 class RowReader:
     """Slices of one split's shards, read through memory-mapped handles (eaglenest.shards.RowSource).
 
@@ -210,7 +215,7 @@ class StepStream:
         self.start_step = start_step
         self.rank, self.world_size = rank, world_size
         self.pad_to = token_budget if pad_to_budget else None
-        self.pad_rows = -(-rows_per_step // world_size) if pad_to_budget else None
+        self.pad_rows = rows_per_rank(rows_per_step, world_size) if pad_to_budget else None
         self.pin_memory = pin_memory
         self.keep_fp8 = keep_fp8
         self.wait_seconds = 0.0

@@ -470,11 +470,6 @@ class RowSource:
         self._handle = safe_open(self.path, framework="pt")
         self._names = set(self._handle.keys())
 
-    @property
-    def scaled(self) -> bool:
-        """Whether the hidden rows are stored as fp8 with per-row scales."""
-        return SCALE_TENSORS["aux_hidden"] in self._names
-
     def rows(self, names, start: int, stop: int) -> dict[str, torch.Tensor]:
         wanted = list(names) + [SCALE_TENSORS[n] for n in names if SCALE_TENSORS.get(n) in self._names]
         out = {name: self._handle.get_slice(name)[start:stop] for name in wanted}

@@ -410,7 +410,7 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
     sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     pad_to = settings["token_budget"] if device.type == "cuda" else None
-    pad_rows = -(-settings["rows_per_step"] // world_size) if device.type == "cuda" else None
+    pad_rows = loader.rows_per_rank(settings["rows_per_step"], world_size) if device.type == "cuda" else None
     for rows in steps:
         mine = rows[rank::world_size]
         if not mine:
