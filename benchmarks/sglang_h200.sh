@@ -27,10 +27,11 @@ PY="${PYTHON:-python3}"
 TIME_LIMIT_S="${TIME_LIMIT_S:-720}"
 DRY_RUN="${DRY_RUN:-0}"
 NUM_PROMPTS="${NUM_PROMPTS:-20}"
+# extract: the plugin against the transformers backend; serve: plain decoding and EAGLE-3. A
+# driver can run them apart, e.g. extraction beside training and serving on a quiet GPU.
+PHASES="${PHASES:-extract serve}"
 START=$(date +%s)
 DEADLINE=$((START + TIME_LIMIT_S))
-# Two servers run at a time, so each gets half of the share of GPU memory.
-HALF_MEM=$(awk "BEGIN{printf \"%.3f\", $MEM_FRACTION / 2}")
 # Known to serve on the node: real weights, Triton attention, no CUDA graphs, no grammar backend.
 # --dtype bfloat16: the converted SmolLM2 config says float32, which SGLang's dtype "auto" serves
 # in float16 (sglang/srt/configs/model_config.py:1573-1589 in 0.5.14), while an eaglenest
@@ -44,6 +45,7 @@ SPOOL=/dev/shm/eaglenest_hs_h200
 PIDS=()
 
 log() { echo "$(date -u +%H:%M:%S) +$(( $(date +%s) - START ))s $*" | tee -a "$OUT/steps.log" >&2; }
+has_phase() { [[ " $PHASES " == *" $1 "* ]]; }
 left() { echo $(( DEADLINE - $(date +%s) )); }
 
 # run_step NAME CMD...: timed, logged, bounded by what is left of the time limit (30 s kept
@@ -127,32 +129,34 @@ run_step environment bash -c "nvidia-smi; nvidia-smi --query-gpu=memory.used,mem
     PYTHONPATH=$SITE $PY -c 'import torch, triton, transformers, sglang, sgl_kernel, flashinfer; print(torch.__version__, triton.__version__, transformers.__version__, sglang.__version__)'"
 SGL_ENV=(env PYTHONPATH="$SITE" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 SGLANG_DISABLE_REQUEST_LOGGING=1)
 
-# --- b+c. the patched server (through our launcher) and a plain one, side by side -----------
+# --- b. the patched server (through our launcher): one shard against the transformers backend
 PATCHED_URL=http://127.0.0.1:30010
 PLAIN_URL=http://127.0.0.1:30011
-run_step patched-config "$PY" benchmarks/sglang_h200.py config --out "$OUT/patched-config.yaml" --target-dir "$TARGET_DIR" \
-    --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" -- \
-    --mem-fraction-static "$HALF_MEM" "${COMMON_FLAGS[@]}"
-# One server starts at a time: SGLang 0.5.14 sizes its KV pool as the free memory after
-# loading minus (1 - mem_fraction_static) x the free memory before loading
-# (model_runner_kv_cache_mixin.py:_profile_available_bytes), so a second server whose pool
-# is allocated between those two readings leaves the first none. The second starts once the
-# first answers, and boots while the first one works.
-start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang_launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
-wait_ready patched "$PATCHED_URL" /eaglenest/info
-PATCHED_READY=$?
-start_server plain 30011 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --served-model-name "$TARGET_NAME" \
-    --port 30011 --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}"
-
-# The client and the transformers backend run on the node's own transformers (not $SITE's).
-if [ "$PATCHED_READY" = 0 ]; then
-    run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \
-        --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$OUT/shards"
-    grep -h "eaglenest capture" "$OUT/patched/server.log" 2>/dev/null | head -5 | tee -a "$OUT/steps.log" >&2
-else
-    run_step extract false
+if has_phase extract; then
+    run_step patched-config "$PY" benchmarks/sglang_h200.py config --out "$OUT/patched-config.yaml" --target-dir "$TARGET_DIR" \
+        --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" -- \
+        --mem-fraction-static "$MEM_FRACTION" "${COMMON_FLAGS[@]}"
+    start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang_launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
+    if wait_ready patched "$PATCHED_URL" /eaglenest/info; then
+        # The client and the transformers backend run on the node's own transformers (not $SITE's).
+        run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \
+            --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$OUT/shards"
+        grep -h "eaglenest capture" "$OUT/patched/server.log" 2>/dev/null | head -5 | tee -a "$OUT/steps.log" >&2
+    else
+        run_step extract false
+    fi
+    stop_server patched
 fi
-stop_server patched
+has_phase serve || exit 0
+
+# --- c. a plain server: refused by the client, and the decoding speed without speculation ----
+# Servers run one at a time from here: each one's tokens/s is measured on an otherwise idle
+# GPU (a booting server compiles kernels and runs warm-up batches), and SGLang 0.5.14 sizes
+# its KV pool as the free memory after loading minus (1 - mem_fraction_static) x the free
+# memory before loading (model_runner_kv_cache_mixin.py:_profile_available_bytes), so a
+# server allocated between those two readings of another leaves that one none.
+start_server plain 30011 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --served-model-name "$TARGET_NAME" \
+    --port 30011 --mem-fraction-static "$MEM_FRACTION" "${SERVER_FLAGS[@]}"
 if wait_ready plain "$PLAIN_URL" /health; then
     run_step refuse "$PY" benchmarks/sglang_h200.py refuse --out "$OUT/parts/refuse.json" --target-name "$TARGET_NAME" --url "$PLAIN_URL"
     run_step generate-plain "$PY" benchmarks/sglang_h200.py generate --out "$OUT/parts/generate-plain.json" --label plain \
@@ -162,19 +166,14 @@ else
 fi
 stop_server plain
 
-# --- d. our drafter with EAGLE-3: chain 3/1/4 and a tree 6/10/60, side by side ---------------
+# --- d. our drafter with EAGLE-3: chain 3/1/4, then a tree 6/10/60 ------------------------------
 EAGLE=(--speculative-algorithm EAGLE3 --speculative-draft-model-path "$DRAFTER_EXPORT" --speculative-draft-attention-backend triton)
-start_server chain 30012 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30012 \
-    --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
-    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
-wait_ready chain http://127.0.0.1:30012 /health
-CHAIN_READY=$?
-start_server tree 30013 "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port 30013 \
-    --mem-fraction-static "$HALF_MEM" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
-    --speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 60
-for setting in chain:30012 tree:30013; do
-    name="${setting%%:*}" port="${setting##*:}"
-    if { [ "$name" = chain ] && [ "$CHAIN_READY" = 0 ]; } || { [ "$name" = tree ] && wait_ready tree "http://127.0.0.1:$port" /health; }; then
+for setting in "chain:30012:3:1:4" "tree:30013:6:10:60"; do
+    IFS=: read -r name port steps topk tokens <<<"$setting"
+    start_server "$name" "$port" "${SGL_ENV[@]}" "$PY" -m sglang.launch_server --model-path "$TARGET_DIR" --port "$port" \
+        --mem-fraction-static "$MEM_FRACTION" "${SERVER_FLAGS[@]}" "${EAGLE[@]}" \
+        --speculative-num-steps "$steps" --speculative-eagle-topk "$topk" --speculative-num-draft-tokens "$tokens"
+    if wait_ready "$name" "http://127.0.0.1:$port" /health; then
         run_step "generate-$name" "$PY" benchmarks/sglang_h200.py generate --out "$OUT/parts/generate-$name.json" --label "$name" \
             --target-dir "$TARGET_DIR" --url "http://127.0.0.1:$port" --questions "$EVAL_PROMPTS" --num-prompts "$NUM_PROMPTS"
         [ "$DRY_RUN" = 1 ] || "$PY" -c "import json,urllib.request; print(json.dumps(json.load(urllib.request.urlopen('http://127.0.0.1:$port/get_server_info', timeout=10)), indent=1, default=str))" \

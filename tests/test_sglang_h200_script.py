@@ -77,3 +77,19 @@ def test_gpu_script_dry_run_plans_every_step_and_writes_results(tmp_path):
         assert f"DRY server {server}" in done.stderr
     assert "--speculative-num-steps 6 --speculative-eagle-topk 10 --speculative-num-draft-tokens 60" in done.stderr
     assert json.loads((tmp_path / "out" / "results.json").read_text())["summary"]["steps_failed"] == []
+
+
+def test_gpu_script_runs_its_phases_apart_into_one_results_file(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "TARGET_DIR": str(tmp_path), "PREPARED_SHARD": str(tmp_path),
+           "DRAFTER_EXPORT": str(tmp_path), "EVAL_PROMPTS": str(tmp_path)}
+    out = tmp_path / "out"
+    for phases in ("extract", "serve"):
+        done = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_h200.sh"), str(out)], env={**env, "PHASES": phases},
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert done.returncode == 0, done.stderr[-3000:]
+        steps = [json.loads(line)["step"] for line in (out / "steps.jsonl").read_text().splitlines()]
+        if phases == "extract":
+            assert steps == ["install", "environment", "patched-config", "extract"]
+            assert "DRY server plain" not in done.stderr
+    assert steps[4:] == ["install", "environment", "refuse", "generate-plain", "generate-chain", "generate-tree"]
+    assert "DRY server patched" not in done.stderr
