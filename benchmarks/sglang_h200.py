@@ -9,6 +9,9 @@ failures and merges the parts into results.json (``merge``).
     refuse     the client must refuse a server at --url (SGLang without the plugin)
     generate   MT-bench first turns, greedy, through /generate; accept lengths and tokens/s
     merge      parts -> results.json
+    compare    SGLang's accept length next to eaglenest's replay tau on the same prompts
+    noise      the scale of bf16 noise: transformers in bfloat16 against itself in float32,
+               on chosen rows of a prepared shard (e.g. the rows extract found worst)
 
 Works against the test suite's stand-in server (tests/support/standin_server.py) too (same protocol), which is how it is tested
 without a GPU; ``generate`` needs only /generate with input_ids.
@@ -277,6 +280,129 @@ def cmd_merge(options) -> int:
     return 0
 
 
+def cmd_noise(options) -> int:
+    """transformers in bfloat16 against transformers in float32 on the samples holding
+    ``--rows`` (token rows of the prepared shard) and the first ``--samples`` samples.
+
+    The extract step's tolerance compares two bf16 implementations; this measures how far
+    one bf16 implementation already is from exact arithmetic on the same rows, per tensor as
+    ``compare_tensors`` reports it, and the cosine at each chosen row."""
+    import torch
+
+    from eaglenest import extract, shards
+    from eaglenest import layer_ids as layer_id_convention
+
+    torch.set_num_threads(options.threads)
+    hf = target_config(options.target_dir)
+    layer_ids = layer_id_convention.resolve("default", hf["num_hidden_layers"])
+    prepared = shards.ShardReader.open(options.prepared)
+    counts = prepared.token_counts
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    rows = [int(r) for r in options.rows.split(",")] if options.rows else []
+    sample_of = {row: next(i for i in range(len(counts)) if starts[i] <= row < starts[i + 1]) for row in rows}
+    chosen = sorted(set(range(min(options.samples, len(counts)))) | set(sample_of.values()))
+    ids = prepared.tensor("input_ids")
+    sub_ids = torch.cat([ids[starts[i]:starts[i + 1]] for i in chosen])
+    sub_counts = [counts[i] for i in chosen]
+    sub_offsets = torch.tensor([0] + list(torch.tensor(sub_counts).cumsum(0)))
+    outputs = {}
+    for compute in ("float32", "bfloat16"):
+        model = extract.load_target(options.target_dir, extract.pick_device(options.device), compute)
+        started = time.perf_counter()
+        aux, last = extract.capture_hidden_states(model, sub_ids, sub_counts, sub_offsets, layer_ids, getattr(torch, compute),
+                                                  options.tokens_per_batch)
+        outputs[compute] = {"aux": aux, "last": last, "seconds": round(time.perf_counter() - started, 1)}
+        del model
+    ref, cand = outputs["float32"], outputs["bfloat16"]
+    hidden = hf["hidden_size"]
+    tensors = {"last_hidden": (ref["last"], cand["last"])}
+    for layer in range(len(layer_ids)):
+        columns = slice(layer * hidden, (layer + 1) * hidden)
+        tensors[f"aux_hidden[{layer}]"] = (ref["aux"][:, columns], cand["aux"][:, columns])
+    # Where each chosen row sits in the sub-shard.
+    local = {}
+    for row, sample in sample_of.items():
+        local[row] = int(sub_offsets[chosen.index(sample)]) + row - starts[sample]
+    part = {"prepared": options.prepared, "layer_ids": layer_ids, "samples": len(chosen), "tokens": int(sub_offsets[-1]),
+            "seconds": {k: v["seconds"] for k, v in outputs.items()}, "tensors": {}, "rows": {}}
+    for name, (a, b) in tensors.items():
+        part["tensors"][name] = compare_tensors(a, b)
+        cosine = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+        for row, at in local.items():
+            part["rows"].setdefault(str(row), {"sample": sample_of[row], "position": row - starts[sample_of[row]]})[name] = \
+                round(float(cosine[at]), 5)
+    write_json(options.out, part)
+    print(json.dumps({k: {m: v[m] for m in ("min_row_cosine", "rows_below_cosine", "mean_relative_diff")}
+                      for k, v in part["tensors"].items()}, indent=1))
+    print(json.dumps(part["rows"], indent=1))
+    return 0
+
+
+def _accept_totals(rows: list[tuple[int, int]]) -> float | None:
+    """Tokens per verify step over a set of prompts: sum of tokens / sum of steps."""
+    steps = sum(s for _, s in rows)
+    return round(sum(t for t, _ in rows) / steps, 4) if steps else None
+
+
+def cmd_compare(options) -> int:
+    """Per drafting setting: SGLang's accept length and eaglenest's tau on the same prompts.
+
+    Both count the tokens a verify step yields (accepted drafts + the target's own token).
+    SGLang's completion tokens also hold the first token, which the prefill samples before any
+    verify step, so ``per_verify`` leaves it out: (completion - 1) / verify steps, the same
+    count as the replay's sum(accepted + 1) / cycles. ``same_output`` keeps only the prompts
+    whose SGLang output equals the greedy reference token for token (bfloat16 on the GPU and
+    float32 on the CPU part at near-ties, and from there the texts, and the acceptance, differ).
+    """
+    merged = json.loads(Path(options.results).read_text())
+    references = {}
+    for chunk in sorted(Path(options.references).glob("*.json")):
+        for prompt in json.loads(chunk.read_text())["per_prompt"]:
+            references[prompt["id"]] = prompt["tokens"][: prompt["output_length"]]
+    report = {"results": options.results, "references": options.references, "settings": {}}
+    for spec in options.setting:
+        label, metrics_path = spec.split("=", 1)
+        part = merged["parts"][f"generate-{label}"]
+        ours = {p["id"]: p for p in json.loads(Path(metrics_path).read_text())["per_prompt"]}
+        prompts = []
+        for request in part["requests"]:
+            replay = ours[request["id"]]
+            output = request.get("output_ids") or []
+            prompts.append({
+                "id": request["id"],
+                "same_output": request["id"] in references and output == references[request["id"]],
+                "sglang": (request["completion_tokens"] - 1, request["spec_verify_ct"]),
+                "sglang_reported": request.get("spec_accept_length"),
+                "eaglenest": (sum(a + 1 for a in replay["accepted"]), replay["cycles"]),
+            })
+        same = [p for p in prompts if p["same_output"]]
+        row = {
+            "metrics": metrics_path,
+            "prompts": len(prompts),
+            "same_output_prompts": len(same),
+            "sglang_accept_length": part.get("accept_length"),
+            "sglang_per_verify": _accept_totals([p["sglang"] for p in prompts]),
+            "eaglenest_tau": _accept_totals([p["eaglenest"] for p in prompts]),
+            "sglang_per_verify_same_output": _accept_totals([p["sglang"] for p in same]),
+            "eaglenest_tau_same_output": _accept_totals([p["eaglenest"] for p in same]),
+            "per_prompt": [{**p, "sglang": list(p["sglang"]), "eaglenest": list(p["eaglenest"])} for p in prompts],
+        }
+        for key in ("", "_same_output"):
+            a, b = row[f"sglang_per_verify{key}"], row[f"eaglenest_tau{key}"]
+            row[f"difference{key}"] = round(a - b, 4) if a is not None and b is not None else None
+        report["settings"][label] = row
+    write_json(options.out, report)
+    print(f"{'setting':8} {'prompts':>7} {'SGLang':>8} {'per verify':>10} {'eaglenest':>9} {'diff':>7} | {'same out':>8} {'SGLang':>8} {'eaglenest':>9} {'diff':>7}")
+    for label, row in report["settings"].items():
+        print(f"{label:8} {row['prompts']:7d} {row['sglang_accept_length'] or float('nan'):8.3f} {row['sglang_per_verify'] or float('nan'):10.3f} "
+              f"{row['eaglenest_tau'] or float('nan'):9.3f} {row['difference'] or float('nan'):+7.3f} | {row['same_output_prompts']:8d} "
+              f"{row['sglang_per_verify_same_output'] or float('nan'):8.3f} {row['eaglenest_tau_same_output'] or float('nan'):9.3f} "
+              f"{row['difference_same_output'] if row['difference_same_output'] is not None else float('nan'):+7.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -307,8 +433,22 @@ def main(argv=None) -> int:
     merge.add_argument("--parts", required=True)
     merge.add_argument("--steps", required=True)
     merge.add_argument("--out", required=True)
+    compare = sub.add_parser("compare")
+    compare.add_argument("--results", required=True, help="results.json of benchmarks/sglang_h200.sh")
+    compare.add_argument("--references", required=True, help="evaluate/<set>/reference/chunks of the same prompts")
+    compare.add_argument("--setting", action="append", required=True, help="LABEL=metrics.json, e.g. chain=.../steps3-topk1-tokens4/metrics.json")
+    compare.add_argument("--out", required=True)
+    noise = sub.add_parser("noise", parents=[common])
+    noise.add_argument("--prepared", required=True)
+    noise.add_argument("--rows", default="", help="comma-separated token rows of the prepared shard")
+    noise.add_argument("--samples", type=int, default=32, help="also the first N samples")
+    noise.add_argument("--device", default="auto")
+    noise.add_argument("--threads", type=int, default=2)
+    noise.add_argument("--tokens-per-batch", type=int, default=16384)
     options = parser.parse_args(argv)
-    return {"config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge}[options.command](options)
+    commands = {"noise": cmd_noise, "config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge,
+                "compare": cmd_compare}
+    return commands[options.command](options)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def matmul_ceiling(device: torch.device) -> float | None:
 
 
 def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
-    shape = SHAPES[name]
+    shape = shape_of(name, args)
     root = workdir / name
     vocab_size = shape["target"]["vocab_size"]
     draft_ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(1))[: shape["draft_vocab"]]
@@ -192,6 +192,14 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     return result
 
 
+def shape_of(name: str, args) -> dict:
+    """SHAPES[name], with the draft vocabulary of ``--draft-vocab`` when given."""
+    shape = dict(SHAPES[name])
+    if getattr(args, "draft_vocab", None):
+        shape["draft_vocab"] = args.draft_vocab
+    return shape
+
+
 def drafter_config(shape: dict) -> drafter.DrafterConfig:
     """The drafter eaglenest builds for the shape's target (as build_drafter sizes it)."""
     return drafter.DrafterConfig.from_target_config(shape["target"], shape["draft_vocab"], shape["layer_ids"],
@@ -217,7 +225,7 @@ def plain_layer(model: drafter.Eagle3Drafter, ids, hidden, positions):
 
 def bench_ceiling(name: str, args, device: torch.device) -> dict:
     """The plain eager step of the same shape and tokens (see the module docstring)."""
-    shape = SHAPES[name]
+    shape = shape_of(name, args)
     config = drafter_config(shape)
     torch.manual_seed(0)
     model = drafter.Eagle3Drafter(config).to(device)
@@ -326,6 +334,8 @@ def main(argv=None):
                         help="train.recompute_steps: recompute each TTT step's activations in the backward pass")
     parser.add_argument("--hidden-dtype", choices=["bfloat16", "float8_e4m3"], default="bfloat16",
                         help="storage dtype of the random hidden shards (extract.dtype; the H200 configs use fp8)")
+    parser.add_argument("--draft-vocab", type=int,
+                        help="consolidate.draft_vocab_size (default: the shape's; config/h200-smollm2.yaml trains 32000)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = train.resolve_device(args.device, 0)
@@ -339,7 +349,8 @@ def main(argv=None):
     results["settings"] = {"rows": args.rows, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
                            "sample_len": args.sample_len,
                            "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto",
-                           "recompute_steps": args.recompute_steps}
+                           "recompute_steps": args.recompute_steps,
+                           "draft_vocab": {name: shape_of(name, args)["draft_vocab"] for name in args.shape or ["smollm2"]}}
 
     def save():
         args.out.parent.mkdir(parents=True, exist_ok=True)

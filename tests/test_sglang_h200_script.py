@@ -93,3 +93,33 @@ def test_gpu_script_runs_its_phases_apart_into_one_results_file(tmp_path):
             assert "DRY server plain" not in done.stderr
     assert steps[4:] == ["install", "environment", "refuse", "generate-plain", "generate-chain", "generate-tree"]
     assert "DRY server patched" not in done.stderr
+
+
+def test_compare_counts_verify_steps_as_the_replay_counts_cycles(tmp_path):
+    # Prompt a: SGLang 9 tokens in 4 verify steps (the first token is the prefill's), the
+    # same output as the reference; prompt b: a different output.
+    requests = [
+        {"id": "mt_bench/81", "output_ids": list(range(9)), "completion_tokens": 9, "spec_verify_ct": 4, "spec_accept_length": 2.25},
+        {"id": "mt_bench/82", "output_ids": [5] * 6, "completion_tokens": 6, "spec_verify_ct": 5, "spec_accept_length": 1.2},
+    ]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"parts": {"generate-chain": {"accept_length": 15 / 9, "requests": requests}}}))
+    chunks = tmp_path / "chunks"
+    chunks.mkdir()
+    (chunks / "0.json").write_text(json.dumps({"per_prompt": [
+        {"id": "mt_bench/81", "output_length": 9, "tokens": list(range(9)) + [0] * 3},
+        {"id": "mt_bench/82", "output_length": 6, "tokens": [4] * 9},
+    ]}))
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"per_prompt": [
+        {"id": "mt_bench/81", "accepted": [1, 2, 0, 1], "cycles": 4},   # 8 tokens in 4 cycles
+        {"id": "mt_bench/82", "accepted": [0, 0, 0, 0, 1], "cycles": 5},  # 6 tokens in 5 cycles
+    ]}))
+    out = tmp_path / "compare.json"
+    assert run_step("compare", "--results", results, "--references", chunks, "--setting", f"chain={metrics}", "--out", out) == 0
+    row = json.loads(out.read_text())["settings"]["chain"]
+    assert row["prompts"] == 2 and row["same_output_prompts"] == 1
+    assert row["sglang_per_verify"] == round((8 + 5) / 9, 4)
+    assert row["eaglenest_tau"] == round(14 / 9, 4)
+    assert row["sglang_per_verify_same_output"] == 2.0 and row["eaglenest_tau_same_output"] == 2.0
+    assert row["difference_same_output"] == 0.0
