@@ -42,7 +42,11 @@ timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --conf
 timed pipeline $SNAKEMAKE --cores "$CORES" --keep-going --configfile "${CONFIGS[@]}" logs/h200/epochs.yaml &
 PIPELINE=$!
 
+# The benchmarks' temporary data (the Kimi-shaped drafter alone is 3.5 GB) and SGLang's copies
+# of a shard go to memory: the disk holds the run's 50 GB of hidden states, and once a
+# benchmark's /tmp filled it, the disk preflight refused the last shards (docs/results.md).
 ( # GPU while prepare runs: the step benchmarks
+  export TMPDIR=/dev/shm
   timed bench-train timeout 240 python3 benchmarks/train_throughput.py --shape smollm2 --rows 8 --token-budget 4096 \
     --sample-len 2048 --hidden-dtype float8_e4m3 --steps 10 --warmup 3 --out "$BENCH/train_throughput_h200_smollm2_run6.json"
   timed bench-kimi timeout 300 python3 benchmarks/train_throughput.py --shape kimi --rows 8 --token-budget 4096 \
@@ -56,7 +60,8 @@ PIPELINE=$!
   sleep "$SGLANG_DELAY_S"
   shard=$(ls $RUN_DIR/prepared/*/shard-00000.safetensors | head -1)
   export SITE=$SGLANG_SITE SGLANG_WHEELS TARGET_DIR=resources/models/SmolLM2-135M-Instruct PREPARED_SHARD=$shard \
-    DRAFTER_EXPORT=$RUN_DIR/export/sglang EVAL_PROMPTS=resources/eval/mt_bench_question.jsonl MEM_FRACTION=0.25
+    DRAFTER_EXPORT=$RUN_DIR/export/sglang EVAL_PROMPTS=resources/eval/mt_bench_question.jsonl MEM_FRACTION=0.25 \
+    SHARD_WORK=/dev/shm/eaglenest-sglang-shards IMPORT_TEST=sglang
   PHASES=extract TIME_LIMIT_S=480 timed sglang-extract bash benchmarks/sglang_h200.sh logs/h200/sglang
   wait_for "$RUN_DIR/export/export_report.json" 1500 || exit 0
   PHASES=serve TIME_LIMIT_S=${SGLANG_SERVE_LIMIT_S:-480} timed sglang-serve bash benchmarks/sglang_h200.sh logs/h200/sglang

@@ -30,6 +30,9 @@ NUM_PROMPTS="${NUM_PROMPTS:-20}"
 # extract: the plugin against the transformers backend; serve: plain decoding and EAGLE-3. A
 # driver can run them apart, e.g. extraction beside training and serving on a quiet GPU.
 PHASES="${PHASES:-extract serve}"
+# The two extracted copies of the shard (about 4 GB each for SmolLM2 in bf16): on a node whose
+# disk holds a run's hidden states, put them in memory (SHARD_WORK=/dev/shm/...).
+SHARD_WORK="${SHARD_WORK:-$OUT/shards}"
 START=$(date +%s)
 DEADLINE=$((START + TIME_LIMIT_S))
 # Known to serve on the node: real weights, Triton attention, no CUDA graphs, no grammar backend.
@@ -140,7 +143,7 @@ if has_phase extract; then
     if wait_ready patched "$PATCHED_URL" /eaglenest/info; then
         # The client and the transformers backend run on the node's own transformers (not $SITE's).
         run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \
-            --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$OUT/shards"
+            --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" --prepared "$PREPARED_SHARD" --work "$SHARD_WORK"
         grep -h "eaglenest capture" "$OUT/patched/server.log" 2>/dev/null | head -5 | tee -a "$OUT/steps.log" >&2
     else
         run_step extract false
