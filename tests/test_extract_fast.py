@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, shard_driver, shards
+from eaglenest import extract, plan, shard_driver, shards, target_runtime
 from eaglenest import layer_ids as layer_id_convention
 from support import tiny
 
@@ -51,7 +51,7 @@ def test_extracted_shard_is_bitwise_equal_to_the_simple_path_in_fp32_on_cpu(tmp_
     prepared = shards.ShardReader.open(prepared_path)
     tensors = prepared.tensors()
     layer_ids = layer_id_convention.default_layer_ids(model.config.num_hidden_layers)
-    aux, last = extract.capture_hidden_states(
+    aux, last = target_runtime.capture_hidden_states(
         model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], layer_ids, torch.float32, 70, layout=layout
     )
     rows = shard_driver.to_storage(aux, last, dtype, len(layer_ids))
@@ -67,12 +67,12 @@ def test_extracted_shard_is_bitwise_equal_to_the_simple_path_in_fp32_on_cpu(tmp_
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_packed_rows_give_the_states_of_one_sample_at_a_time(arch, request, tmp_path):
     model = load(request.getfixturevalue(arch))
-    assert extract.resolve_layout(model, "auto") == "packed"
+    assert target_runtime.resolve_layout(model, "auto") == "packed"
     prepared = shards.ShardReader.open(write_prepared(tmp_path))
     tensors = prepared.tensors()
     args = (model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], [0, 2, 5], torch.float32)
-    packed = extract.capture_hidden_states(*args, tokens_per_batch=100, layout="packed")
-    single = extract.capture_hidden_states(*args, tokens_per_batch=1, layout="padded")
+    packed = target_runtime.capture_hidden_states(*args, tokens_per_batch=100, layout="packed")
+    single = target_runtime.capture_hidden_states(*args, tokens_per_batch=1, layout="padded")
     for a, b in zip(packed, single):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -87,9 +87,9 @@ def test_reruns_write_identical_files(tmp_path, tiny_llama):
 
 def test_packed_batches_are_consecutive_and_within_the_budget():
     lengths = [5, 100, 7, 90, 6, 95, 300]
-    batches = extract.packed_batches(lengths, tokens_per_batch=200)
+    batches = target_runtime.packed_batches(lengths, tokens_per_batch=200)
     assert [list(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]  # 300 > budget: alone
-    assert extract.packed_batches([], 10) == []
+    assert target_runtime.packed_batches([], 10) == []
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3"])
@@ -155,13 +155,13 @@ def test_non_finite_states_abort_and_leave_no_file(tmp_path, tiny_llama):
 def test_sliding_window_models_fall_back_to_padded_rows(tmp_path):
     config = tiny.tiny_config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    assert extract.resolve_layout(model, "auto") == "padded"
+    assert target_runtime.resolve_layout(model, "auto") == "padded"
     with pytest.raises(ValueError, match="cannot run packed rows"):
-        extract.resolve_layout(model, "packed")
+        target_runtime.resolve_layout(model, "packed")
 
 
 def test_varlen_kernel_signature_is_understood():
-    kernel = extract._varlen_kernel()
+    kernel = target_runtime._varlen_kernel()
     if kernel is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     function, causal, _ = kernel
