@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from eaglenest import extract, shards
+from eaglenest import extract, shards, target_runtime
 from eaglenest import layer_ids as layer_id_convention
 
 HERE = Path(__file__).resolve().parent
@@ -122,16 +122,16 @@ def forward_only(model, prepared_path: Path, tokens_per_batch: int, device: str)
     """Packed rows through the base model; nothing captured, nothing copied back."""
     reader = shards.ShardReader.open(prepared_path)
     counts, ids = reader.token_counts, reader.tensor("input_ids")
-    base = extract._base_model(model)
-    batches = extract.packed_batches(counts, tokens_per_batch)
+    base = target_runtime.base_model(model)
+    batches = target_runtime.packed_batches(counts, tokens_per_batch)
     first = [0]
     for batch in batches:
         first.append(first[-1] + sum(counts[i] for i in batch))
-    with extract.attention_implementation(model, extract.PACKED_ATTENTION):
+    with target_runtime.attention_implementation(model, target_runtime.PACKED_ATTENTION):
         sync(device)
         started = time.perf_counter()
         for batch, start in zip(batches, first):
-            inputs = extract._packed_inputs([counts[i] for i in batch], start, ids, torch.device(device))
+            inputs = target_runtime.packed_inputs([counts[i] for i in batch], start, ids, torch.device(device))
             base(input_ids=inputs[0], position_ids=inputs[1], use_cache=False, packed_segments=inputs[2])
         sync(device)
     seconds = time.perf_counter() - started
@@ -152,7 +152,7 @@ def naive_output_hidden_states(model, prepared_path: Path, tokens_per_batch: int
     sub_counts = [counts[i] for i in keep]
     sync(device)
     started = time.perf_counter()
-    for batch in extract.length_batches(sub_counts, tokens_per_batch):
+    for batch in target_runtime.length_batches(sub_counts, tokens_per_batch):
         width = max(sub_counts[i] for i in batch)
         batch_ids = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
         if args.out:  # keep what is done if a later shape fails or runs out of time
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    result["varlen_attention"] = {"available": extract._varlen_kernel() is not None, "failures": extract._VARLEN_FAILED}
+    result["varlen_attention"] = {"available": target_runtime._varlen_kernel() is not None, "failures": target_runtime._VARLEN_FAILED}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

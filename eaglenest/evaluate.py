@@ -118,7 +118,7 @@ def _load_models(target_path, drafter_path, device: str, threads: int, dtype: st
 
     from eaglenest import drafter as drafter_lib
     from eaglenest import export
-    from eaglenest.extract import pick_device
+    from eaglenest.target_runtime import pick_device
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")

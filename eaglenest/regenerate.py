@@ -39,7 +39,7 @@ from pathlib import Path
 
 from eaglenest import atomic
 from eaglenest import settings as settings_lib
-from eaglenest.extract import length_batches
+from eaglenest.target_runtime import length_batches
 from eaglenest.plan import REGENERATION_CONTENT
 from eaglenest.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_conversations
 

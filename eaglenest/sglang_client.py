@@ -7,8 +7,8 @@ not the patched SGLang serving this target with these layers. Then it sends the
 shard's samples as token ids, prefill only (``max_new_tokens`` 1), ``concurrency`` at
 a time; the server writes each sample's hidden states to the spool directory and
 answers with a descriptor. The client checks every spooled file against what it sent
-(token ids, row counts, widths), copies it into the shard's tensors, deletes it, and
-writes the shard through eaglenest.shards exactly like the transformers backend.
+(token ids, row counts, widths), hands the states to eaglenest.shard_driver, and deletes
+the file; the driver stores and writes the shard exactly as for the transformers backend.
 
 Failures: a request that times out or finds no server is retried with exponential
 backoff; after ``max_consecutive_failures`` failed attempts in a row the job stops
@@ -31,10 +31,11 @@ import urllib.request
 import uuid
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from eaglenest import atomic, extract, shards, sglang_patch
+from eaglenest import shard_driver, shards, sglang_patch
 from eaglenest import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
@@ -242,12 +243,71 @@ class _ShardRequests:
 
 def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
                    disk_reserve_bytes: int) -> dict:
-    """extract.preflight for a shard of a server with this target shape (from the run's config)."""
+    """shard_driver.preflight for a shard of a server with this target shape (from the run's config)."""
+    shard_driver.check_storage_dtype(dtype)
     layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
     bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
-    numbers = extract.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
+    numbers = shard_driver.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
     log.info("preflight: %s", numbers)
     return numbers
+
+
+class ServerBackend:
+    """The patched SGLang server at ``url``: shard_driver's hidden-state backend.
+
+    The target's shape comes from the run's config: the server is asked nothing before the
+    disk preflight has passed.
+    """
+
+    device = torch.device("cpu")  # answers arrive as host tensors read from the spool
+    in_token_order = False  # concurrent requests finish in any order
+
+    def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
+                 retries, backoff_s, max_consecutive_failures):
+        self.url, self.shard_tag, self.target_name = url, shard_tag, target_name
+        self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
+        self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures)
+
+    def target_shape(self) -> tuple[int, int]:
+        return self.num_layers, self.hidden_size
+
+    def start(self, layer_ids: list[int]) -> None:
+        info = check_server(self.url, self.target_name, layer_ids, self.hidden_size)
+        log.info("server %s: %s", self.url, info)
+        spool_dir = info["spool_dir"] if self.spool_dir is None else self.spool_dir
+        self.requests = _ShardRequests(self.url, spool_dir, self.shard_tag, layer_ids, self.hidden_size, *self.retry_policy)
+
+    def largest_answer(self, prepared: shards.ShardReader) -> int:
+        return max(prepared.token_counts, default=0)
+
+    def hidden_states(self, prepared: shards.ShardReader, layer_ids: list[int]) -> Iterator[shard_driver.StateRows]:
+        requests = self.requests
+        tensors = prepared.tensors(shards.PREPARED_TENSORS)
+        offsets, input_ids = tensors["offsets"], tensors["input_ids"]
+        # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
+        requests.remove_leftovers()
+        pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="sglang-client")
+        try:
+            futures = {}
+            for index in range(len(prepared.token_counts)):
+                start, end = int(offsets[index]), int(offsets[index + 1])
+                futures[pool.submit(requests.fetch, index, input_ids[start:end].tolist())] = start
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    aux, last = future.result()  # raises the first failure; the except cancels the rest
+                    yield shard_driver.StateRows(futures[future], aux, last)
+        except BaseException as err:
+            requests.stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            requests.remove_leftovers()
+            # The failure that stopped the shard, not the "stopped" echoes of the requests after it.
+            if requests.first_error is not None and err is not requests.first_error and not isinstance(err, GeneratorExit):
+                raise requests.first_error from None
+            raise
+        pool.shutdown(wait=True)
+        requests.remove_leftovers()  # late answers to this job's own timed-out, retried requests
 
 
 def extract_shard_via_server(
@@ -270,72 +330,24 @@ def extract_shard_via_server(
     log_stream=None,
 ) -> dict:
     """Make one hidden shard from one prepared shard through the server at ``url``."""
-    from tqdm import tqdm
-
-    prepared_path, hidden_path = Path(prepared_path), Path(hidden_path)
-    hidden_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.remove_stale_temps(hidden_path.parent, hidden_path.name)
-    prepared = shards.verify_shard(prepared_path, deep=True)
-    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
-    started = time.perf_counter()
-    if check_disk:  # before the server is asked anything: a refused shard costs nothing
-        disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size, num_layers, dtype, disk_reserve_bytes)
-    info = check_server(url, target_name, layer_ids, hidden_size)
-    log.info("server %s: %s", url, info)
-    bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
-    tensors = prepared.tensors(shards.PREPARED_TENSORS)
-    counts, offsets, input_ids = prepared.token_counts, tensors["offsets"], tensors["input_ids"]
-    # The shard's rows in storage dtype, fp8 quantised like the transformers backend's.
-    rows = extract.StorageRows(sum(counts), hidden_size, len(layer_ids), dtype)
-    requests = _ShardRequests(
-        url, info["spool_dir"] if spool_dir is None else spool_dir, hidden_path.name.split(".")[0],
-        layer_ids, hidden_size, request_timeout_s, retries, backoff_s, max_consecutive_failures,
+    shard_tag = Path(hidden_path).name.split(".")[0]
+    backend = ServerBackend(url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
+                            retries, backoff_s, max_consecutive_failures)
+    result = shard_driver.extract_hidden_shard(
+        prepared_path, hidden_path, backend, target_name, layer_ids, dtype, check_disk, disk_reserve_bytes, log_stream
     )
-    # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
-    requests.remove_leftovers()
-    progress = tqdm(total=sum(counts), unit="tok", unit_scale=True, desc=hidden_path.name, file=log_stream, mininterval=5)
-    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="sglang-client")
-    try:
-        futures = {}
-        for index, count in enumerate(counts):
-            start, end = int(offsets[index]), int(offsets[index + 1])
-            futures[pool.submit(requests.fetch, index, input_ids[start:end].tolist())] = index
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                index = futures[future]
-                aux, last = future.result()  # raises the first failure; the finally cancels the rest
-                start, end = int(offsets[index]), int(offsets[index + 1])
-                rows.put(start, end, aux, last)
-                progress.update(end - start)
-    except BaseException as err:
-        requests.stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
-        requests.remove_leftovers()
-        if requests.first_error is not None and err is not requests.first_error:
-            raise requests.first_error from None
-        raise
-    finally:
-        progress.close()
-    pool.shutdown(wait=True)
-    requests.remove_leftovers()  # late answers to this job's own timed-out, retried requests
-    computed = time.perf_counter()
-    meta = {"target": target_name, "target_hidden_size": hidden_size, "layer_ids": layer_ids, "dtype": dtype}
-    rows.write(hidden_path, prepared, meta)
-    written = time.perf_counter()
-    tokens = sum(counts)
+    requests_s = result.start_s + result.compute_s
     stats = {
-        "shard": hidden_path.name,
+        "shard": Path(hidden_path).name,
         "backend": "sglang",
         "server": url,
-        "samples": len(counts),
-        "tokens": tokens,
-        "bytes_per_token": bytes_per_token,
-        "bytes": hidden_path.stat().st_size,
-        "requests_s": round(computed - started, 3),
-        "write_s": round(written - computed, 3),
-        "tokens_per_s": round(tokens / max(computed - started, 1e-9), 1),
+        "samples": result.samples,
+        "tokens": result.tokens,
+        "bytes_per_token": result.bytes_per_token,
+        "bytes": result.bytes,
+        "requests_s": round(requests_s, 3),
+        "write_s": round(result.write_s, 3),
+        "tokens_per_s": round(result.tokens / max(requests_s, 1e-9), 1),
     }
     log.info("extracted %s", stats)
     return stats

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from eaglenest.drafter import Eagle3Drafter, apply_rotary, rotary_cos_sin
 from eaglenest.drafting import Drafting
-from eaglenest.extract import AuxCapture
+from eaglenest.target_runtime import AuxCapture
 
 
 @dataclass

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from eaglenest import atomic, extract, shards
+from eaglenest import atomic, extract, shard_driver, shards
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -30,7 +30,7 @@ def big_prepared_shard(tmp_path):
 
 def test_preflight_refuses_with_needed_and_free_bytes(small_disk, big_prepared_shard, tiny_llama):
     hidden = small_disk / "hidden" / "shard-00000.safetensors"
-    with pytest.raises(extract.InsufficientDiskError) as error:
+    with pytest.raises(shard_driver.InsufficientDiskError) as error:
         extract.extract_shard(big_prepared_shard, hidden, tiny_llama, "tiny", "default", device="cpu")
     message = str(error.value)
     needed = 3000 * shards.hidden_bytes_per_token(64, 3, "bfloat16")

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, prepare, shards
+from eaglenest import extract, plan, prepare, shards, target_runtime
 from eaglenest import layer_ids as layer_id_convention
 
 
@@ -22,7 +22,7 @@ def test_hooks_capture_the_same_tensors_as_output_hidden_states(arch, request):
     layer_ids = [0, 2, 5]  # embeddings, a middle layer, the last decoder layer's input
     lengths = [17, 9, 30, 1]
     ids, offsets = lengths_and_ids(model.config.vocab_size, lengths)
-    aux, last = extract.capture_hidden_states(model, ids, lengths, offsets, layer_ids, torch.float32, tokens_per_batch=64)
+    aux, last = target_runtime.capture_hidden_states(model, ids, lengths, offsets, layer_ids, torch.float32, tokens_per_batch=64)
     for i, n in enumerate(lengths):
         start, end = int(offsets[i]), int(offsets[i + 1])
         with torch.no_grad():
@@ -37,15 +37,15 @@ def test_right_padded_batches_equal_one_sample_at_a_time(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     lengths = [40, 3, 25, 25, 11]
     ids, offsets = lengths_and_ids(model.config.vocab_size, lengths, seed=1)
-    batched = extract.capture_hidden_states(model, ids, lengths, offsets, [1, 3, 4], torch.float32, tokens_per_batch=200)
-    single = extract.capture_hidden_states(model, ids, lengths, offsets, [1, 3, 4], torch.float32, tokens_per_batch=1)
+    batched = target_runtime.capture_hidden_states(model, ids, lengths, offsets, [1, 3, 4], torch.float32, tokens_per_batch=200)
+    single = target_runtime.capture_hidden_states(model, ids, lengths, offsets, [1, 3, 4], torch.float32, tokens_per_batch=1)
     for a, b in zip(batched, single):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_length_batches_group_by_length_within_the_token_budget():
     lengths = [5, 100, 7, 90, 6, 95]
-    batches = extract.length_batches(lengths, tokens_per_batch=200)
+    batches = target_runtime.length_batches(lengths, tokens_per_batch=200)
     assert sorted(i for batch in batches for i in batch) == list(range(6))
     assert batches[0] == [1, 5]  # the two longest together: 2 x 100 <= 200
     for batch in batches:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, shards
+from eaglenest import extract, plan, shard_driver, shards, target_runtime
 from eaglenest import layer_ids as layer_id_convention
 from support import tiny
 
@@ -36,40 +36,43 @@ def load(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3"])
-def test_fast_path_shard_is_bitwise_equal_to_the_simple_path_in_fp32_on_cpu(tmp_path, tiny_llama, dtype):
+def test_extracted_shard_is_bitwise_equal_to_the_simple_path_in_fp32_on_cpu(tmp_path, tiny_llama, dtype, layout):
+    """packed rows stream to disk in token order; padded samples come out of order and are gathered first."""
     prepared_path = write_prepared(tmp_path)
     model = load(tiny_llama)
-    fast = tmp_path / "fast" / "shard-00000.safetensors"
-    stats = extract.extract_shard(prepared_path, fast, tiny_llama, "tiny", "default", dtype=dtype, tokens_per_batch=70, model=model)
-    assert stats["layout"] == "packed" and stats["batches"] > 2
+    extracted = tmp_path / "extracted" / "shard-00000.safetensors"
+    stats = extract.extract_shard(prepared_path, extracted, tiny_llama, "tiny", "default", dtype=dtype, tokens_per_batch=70, model=model,
+                                  layout=layout)
+    assert stats["layout"] == layout and (layout == "padded" or stats["batches"] > 2)
 
-    # The simple driver over the same packed rows, whole shard in memory, one-shot writer.
+    # The simple driver over the same rows, whole shard in memory, one-shot writer.
     prepared = shards.ShardReader.open(prepared_path)
     tensors = prepared.tensors()
     layer_ids = layer_id_convention.default_layer_ids(model.config.num_hidden_layers)
-    aux, last = extract.capture_hidden_states(
-        model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], layer_ids, torch.float32, 70, layout="packed"
+    aux, last = target_runtime.capture_hidden_states(
+        model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], layer_ids, torch.float32, 70, layout=layout
     )
-    rows = extract.to_storage(aux, last, dtype, len(layer_ids))
+    rows = shard_driver.to_storage(aux, last, dtype, len(layer_ids))
     scales = {n: rows[n] for n in shards.SCALE_TENSORS.values() if n in rows}
     simple = tmp_path / "simple" / "shard-00000.safetensors"
     meta = {"target": "tiny", "target_hidden_size": 64, "layer_ids": layer_ids, "dtype": dtype}
     shards.write_hidden_shard(simple, prepared, rows["aux_hidden"], rows["last_hidden"], meta, **scales)
 
-    assert fast.read_bytes() == simple.read_bytes()
-    shards.verify_shard(fast, deep=True, expect={"dtype": dtype, "layer_ids": layer_ids})
+    assert extracted.read_bytes() == simple.read_bytes()
+    shards.verify_shard(extracted, deep=True, expect={"dtype": dtype, "layer_ids": layer_ids})
 
 
 @pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen2"])
 def test_packed_rows_give_the_states_of_one_sample_at_a_time(arch, request, tmp_path):
     model = load(request.getfixturevalue(arch))
-    assert extract.resolve_layout(model, "auto") == "packed"
+    assert target_runtime.resolve_layout(model, "auto") == "packed"
     prepared = shards.ShardReader.open(write_prepared(tmp_path))
     tensors = prepared.tensors()
     args = (model, tensors["input_ids"], prepared.token_counts, tensors["offsets"], [0, 2, 5], torch.float32)
-    packed = extract.capture_hidden_states(*args, tokens_per_batch=100, layout="packed")
-    single = extract.capture_hidden_states(*args, tokens_per_batch=1, layout="padded")
+    packed = target_runtime.capture_hidden_states(*args, tokens_per_batch=100, layout="packed")
+    single = target_runtime.capture_hidden_states(*args, tokens_per_batch=1, layout="padded")
     for a, b in zip(packed, single):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -84,9 +87,9 @@ def test_reruns_write_identical_files(tmp_path, tiny_llama):
 
 def test_packed_batches_are_consecutive_and_within_the_budget():
     lengths = [5, 100, 7, 90, 6, 95, 300]
-    batches = extract.packed_batches(lengths, tokens_per_batch=200)
+    batches = target_runtime.packed_batches(lengths, tokens_per_batch=200)
     assert [list(b) for b in batches] == [[0, 1, 2], [3, 4, 5], [6]]  # 300 > budget: alone
-    assert extract.packed_batches([], 10) == []
+    assert target_runtime.packed_batches([], 10) == []
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3"])
@@ -96,7 +99,7 @@ def test_streaming_writer_is_byte_identical_to_the_one_shot_writer(tmp_path, dty
     generator = torch.Generator().manual_seed(1)
     aux = torch.randn(total, 3 * hidden, generator=generator) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(hidden)
     last = torch.randn(total, hidden, generator=generator)
-    rows = extract.to_storage(aux, last, dtype, 3)
+    rows = shard_driver.to_storage(aux, last, dtype, 3)
     meta = {"target": "t", "target_hidden_size": hidden, "layer_ids": [1, 2, 3], "dtype": dtype}
     scales = {n: rows[n] for n in shards.SCALE_TENSORS.values() if n in rows}
     shards.write_hidden_shard(tmp_path / "one.safetensors", prepared, rows["aux_hidden"], rows["last_hidden"], meta, **scales)
@@ -152,13 +155,13 @@ def test_non_finite_states_abort_and_leave_no_file(tmp_path, tiny_llama):
 def test_sliding_window_models_fall_back_to_padded_rows(tmp_path):
     config = tiny.tiny_config("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0)
     model = AutoModelForCausalLM.from_config(config).eval()
-    assert extract.resolve_layout(model, "auto") == "padded"
+    assert target_runtime.resolve_layout(model, "auto") == "padded"
     with pytest.raises(ValueError, match="cannot run packed rows"):
-        extract.resolve_layout(model, "packed")
+        target_runtime.resolve_layout(model, "packed")
 
 
 def test_varlen_kernel_signature_is_understood():
-    kernel = extract._varlen_kernel()
+    kernel = target_runtime._varlen_kernel()
     if kernel is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
     function, causal, _ = kernel
@@ -189,7 +192,15 @@ def test_disk_preflight_refuses_before_the_target_loads(tmp_path, tiny_llama):
     shape_only.mkdir()
     (shape_only / "config.json").write_bytes((tiny_llama / "config.json").read_bytes())
     hidden = tmp_path / "hidden" / "shard-00000.safetensors"
-    with pytest.raises(extract.InsufficientDiskError, match="disk preflight: the 1 missing hidden shards"):
+    with pytest.raises(shard_driver.InsufficientDiskError, match="disk preflight: the 1 missing hidden shards"):
         extract.extract_shard(write_prepared(tmp_path), hidden, shape_only, "tiny", "default", device="cpu",
                               disk_reserve_bytes=1 << 60)
     assert list(hidden.parent.iterdir()) == []
+
+
+def test_a_bad_dtype_is_refused_before_the_target_loads(tmp_path):
+    hidden = tmp_path / "hidden" / "shard-00000.safetensors"
+    # No target at this path: reading its config first would fail with another error.
+    with pytest.raises(ValueError, match=r"extract.dtype 'fp8' is not a storage dtype"):
+        extract.extract_shard(write_prepared(tmp_path), hidden, tmp_path / "no-target", "tiny", "default", dtype="fp8", device="cpu")
+    assert not hidden.parent.exists()

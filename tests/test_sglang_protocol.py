@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglenest import extract, shards, sglang_client
+from eaglenest import extract, shard_driver, shards, sglang_client
 from eaglenest.sglang_launch import STANDIN_SERVER
 
 TARGET = "tiny-llama"
@@ -117,6 +117,36 @@ def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_sha
     assert list(spool.iterdir()) == []  # every spool file was consumed
 
 
+def test_standin_fp8_shard_holds_the_transformers_states_quantised_per_token_and_layer(standin, prepared_shard, tmp_path, tiny_llama):
+    """Independent of both backends' storage code: the server's fp8 shard is quantize_rows of
+    the float32 states the transformers backend stores, so a cast without quantising fails."""
+    _, url, spool = standin()
+    fp8 = tmp_path / "hidden-sglang" / shards.shard_name(0)
+    sglang_client.extract_shard_via_server(prepared_shard, fp8, url, **client_kwargs(spool, dtype=shards.FP8_DTYPE))
+    full = tmp_path / "hidden-float32" / shards.shard_name(0)
+    extract.extract_shard(prepared_shard, full, tiny_llama, TARGET, LAYERS, dtype="float32", device="cpu", check_disk=False,
+                          tokens_per_batch=1)
+
+    reader = shards.verify_shard(fp8, deep=True, expect={"dtype": shards.FP8_DTYPE})
+    assert reader.infos["aux_hidden"]["dtype"] == "F8_E4M3" and reader.infos["aux_hidden_scale"]["shape"] == [reader.num_tokens, 3]
+    stored, states = reader.tensors(), shards.ShardReader.open(full).tensors()
+    for name, groups in (("aux_hidden", len(LAYERS)), ("last_hidden", 1)):
+        quantized, scale = shards.quantize_rows(states[name], groups)
+        assert torch.equal(stored[name].view(torch.uint8), quantized.view(torch.uint8)), name
+        assert torch.equal(stored[shards.SCALE_TENSORS[name]], scale), name
+
+
+@pytest.mark.parametrize("check_disk", [True, False], ids=["with-preflight", "without-preflight"])
+def test_a_bad_dtype_is_refused_before_any_request_is_served(standin, prepared_shard, tmp_path, check_disk):
+    # --exit-after 0: the server dies on the first /generate it receives.
+    process, url, spool = standin("--exit-after", "0")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(ValueError, match=r"extract.dtype 'bf16' is not a storage dtype; choose one of \[.*'float8_e4m3'"):
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool, dtype="bf16", check_disk=check_disk))
+    assert process.poll() is None  # still up: no request reached it
+    assert_no_shard_left(hidden.parent)
+
+
 def test_client_refuses_a_vllm_server_on_the_port(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--impersonate", "vllm")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
@@ -177,7 +207,7 @@ def test_shape_mismatch_from_the_server_is_refused(standin, prepared_shard, tmp_
 def test_disk_preflight_refuses_before_the_server_is_asked(prepared_shard, tmp_path):
     # No server listens at the URL: a client asking it first would fail with "no server answers".
     hidden = tmp_path / "hidden" / shards.shard_name(0)
-    with pytest.raises(extract.InsufficientDiskError, match="disk preflight"):
+    with pytest.raises(shard_driver.InsufficientDiskError, match="disk preflight"):
         sglang_client.extract_shard_via_server(
             prepared_shard, hidden, url="http://127.0.0.1:9",
             **client_kwargs(tmp_path / "spool", check_disk=True, disk_reserve_bytes=1 << 60),

@@ -6,7 +6,7 @@ For machines without a GPU (a laptop, CI) and for the tests: it serves
 started by eaglenest.sglang_launch does — same request fields, same
 ``meta_info["eaglenest_spool"]`` descriptor, same spool files, written by the same
 function (eaglenest.sglang_patch.spool_prefill_rows) — but runs the target with
-transformers (eaglenest.extract.capture_hidden_states, one sample per request), so its
+transformers (eaglenest.target_runtime.capture_hidden_states, one sample per request), so its
 tensors equal the transformers backend's.
 
 Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
@@ -42,11 +42,11 @@ class StandinModel:
     def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str):
         import torch
 
-        from eaglenest import extract
+        from eaglenest import target_runtime
 
-        self.model = extract.load_target(model_path, "cpu", "float32")
+        self.model = target_runtime.load_target(model_path, "cpu", "float32")
         self.torch = torch
-        self.extract = extract
+        self.target_runtime = target_runtime
         num_layers = self.model.config.num_hidden_layers
         self.layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
         self.lock = threading.Lock()
@@ -68,7 +68,7 @@ class StandinModel:
         ids = torch.tensor(input_ids, dtype=torch.int32)
         offsets = torch.tensor([0, len(input_ids)], dtype=torch.int64)
         with self.lock:  # one forward at a time, like one GPU
-            return self.extract.capture_hidden_states(
+            return self.target_runtime.capture_hidden_states(
                 self.model, ids, [len(input_ids)], offsets, self.layer_ids, torch.float32, max(len(input_ids), 1)
             )
 
