@@ -289,7 +289,7 @@ def cmd_noise(options) -> int:
     ``compare_tensors`` reports it, and the cosine at each chosen row."""
     import torch
 
-    from eaglenest import extract, shards
+    from eaglenest import shards, target_runtime
     from eaglenest import layer_ids as layer_id_convention
 
     torch.set_num_threads(options.threads)
@@ -309,9 +309,9 @@ def cmd_noise(options) -> int:
     sub_offsets = torch.tensor([0] + list(torch.tensor(sub_counts).cumsum(0)))
     outputs = {}
     for compute in ("float32", "bfloat16"):
-        model = extract.load_target(options.target_dir, extract.pick_device(options.device), compute)
+        model = target_runtime.load_target(options.target_dir, target_runtime.pick_device(options.device), compute)
         started = time.perf_counter()
-        aux, last = extract.capture_hidden_states(model, sub_ids, sub_counts, sub_offsets, layer_ids, getattr(torch, compute),
+        aux, last = target_runtime.capture_hidden_states(model, sub_ids, sub_counts, sub_offsets, layer_ids, getattr(torch, compute),
                                                   options.tokens_per_batch)
         outputs[compute] = {"aux": aux, "last": last, "seconds": round(time.perf_counter() - started, 1)}
         del model
