@@ -42,7 +42,7 @@ def sample_selection(config: dict) -> dict:
 
 
 # Regeneration settings that change the answers (the rest only change how fast).
-REGENERATION_CONTENT = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "on_failure", "model")
+REGENERATION_CONTENT = ("backend", "temperature", "top_p", "max_new_tokens", "seed", "on_failure", "model", "repetition_stop")
 
 
 def regeneration(config: dict) -> dict | None:
@@ -51,6 +51,8 @@ def regeneration(config: dict) -> dict | None:
     if not section.get("enabled", False):
         return None
     chosen = {k: section[k] for k in REGENERATION_CONTENT if k in section}
+    if not chosen.get("repetition_stop"):  # off: the key of every run made before it existed
+        chosen.pop("repetition_stop", None)
     return dict(chosen, target=config["target"]["name"], max_len=config["data"]["max_len"])
 
 

@@ -57,6 +57,7 @@ class Settings:
     temperature: float
     top_p: float
     max_new_tokens: int
+    repetition_stop: int
     seed: int
     on_failure: str
     retries: int
@@ -88,6 +89,71 @@ class Generation:
     new_tokens: int = 0
     attempts: int = 1
     error: str | None = None
+
+
+# --------------------------------------------------------------------------- loops
+
+# A small target answering greedily often ends in a loop: the same sentence until
+# max_new_tokens. With ``repetition_stop`` N, an answer ends where its tokens first end in N
+# copies in a row of one span of 1..LOOP_MAX_PERIOD tokens that cover LOOP_MIN_TOKENS or more
+# (so three equal tokens in a row, common in code, are no loop), and keeps the first copy.
+LOOP_MAX_PERIOD = 64
+LOOP_MIN_TOKENS = 16
+
+
+def loop_cut(tokens: list[int], repeats: int) -> int | None:
+    """The length that keeps the first copy when ``tokens`` end in a loop, else None."""
+    n = len(tokens)
+    for period in range(1, LOOP_MAX_PERIOD + 1):
+        covered = period * repeats
+        if covered > n:
+            break
+        if covered < LOOP_MIN_TOKENS:
+            continue
+        last = tokens[n - period:]
+        if all(tokens[n - (r + 1) * period: n - r * period] == last for r in range(1, repeats)):
+            return n - (repeats - 1) * period
+    return None
+
+
+def first_loop_cut(tokens: list[int], repeats: int) -> int | None:
+    """:func:`loop_cut` at the first token where a loop completes (what a stop checked
+    after every new token sees), or None when the answer never loops."""
+    for end in range(min(LOOP_MIN_TOKENS, len(tokens)), len(tokens) + 1):
+        cut = loop_cut(tokens[:end], repeats)
+        if cut is not None:
+            return cut
+    return None
+
+
+def cut_loop(token_ids: list[int], repeats: int) -> tuple[list[int], bool]:
+    """(the tokens up to the first loop's first copy, whether a loop was cut)."""
+    cut = first_loop_cut(token_ids, repeats) if repeats >= 2 else None
+    return (token_ids, False) if cut is None else (token_ids[:cut], True)
+
+
+def loop_stopping_criteria(prompt_width: int, repeats: int):
+    """A ``transformers`` stopping criterion that ends each row of a batch once its new
+    tokens end in a loop (:func:`loop_cut`), checked on the device after every step."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class LoopStop(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            new = input_ids[:, prompt_width:]
+            rows, n = new.shape
+            done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+            for period in range(1, LOOP_MAX_PERIOD + 1):
+                covered = period * repeats
+                if covered > n:
+                    break
+                if covered < LOOP_MIN_TOKENS:
+                    continue
+                copies = new[:, n - covered:].reshape(rows, repeats, period)
+                done |= (copies == copies[:, -1:, :]).all(dim=2).all(dim=1)
+            return done
+
+    return LoopStop()
 
 
 # --------------------------------------------------------------------------- backends
@@ -150,14 +216,18 @@ class TransformersBackend:
         if sample:
             options.update(temperature=self.settings.temperature, top_p=self.settings.top_p, top_k=0)
             torch.manual_seed(seed)
+        repeats = self.settings.repetition_stop
+        if repeats >= 2:
+            options["stopping_criteria"] = [loop_stopping_criteria(width, repeats)]
         with torch.inference_mode():
             output = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device), **options)
         generations = []
         for row in output[:, width:].tolist():
             stop = next((k for k, t in enumerate(row) if t in self.stop_ids), None)
-            kept = row if stop is None else row[:stop]
+            kept, looped = cut_loop(row if stop is None else row[:stop], repeats)
+            reason = "repetition" if looped else "length" if stop is None else "stop"
             text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
-            generations.append(Generation(text, "length" if stop is None else "stop", len(kept)))
+            generations.append(Generation(text, reason, len(kept)))
         return generations
 
     def generate(self, prompts: list[list[dict]], seed: int) -> list[Generation]:
@@ -227,7 +297,8 @@ class OpenAIBackend:
                 if not isinstance(text, str):
                     raise ValueError("answer has no text content")
                 usage = answer.get("usage") or {}
-                return Generation(text.strip(), choice.get("finish_reason"), int(usage.get("completion_tokens", 0)), attempt)
+                generation = Generation(text.strip(), choice.get("finish_reason"), int(usage.get("completion_tokens", 0)), attempt)
+                return self._without_loop(generation)
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
                 if e.code not in TRANSIENT_HTTP:
@@ -239,6 +310,18 @@ class OpenAIBackend:
             if attempt <= s.retries:
                 time.sleep(s.backoff_s * 2 ** (attempt - 1))
         return Generation(None, attempts=s.retries + 1, error=error)
+
+    def _without_loop(self, generation: Generation) -> Generation:
+        """The server ran to its own stop; cut the answer where the first loop completes
+        (the same cut the transformers backend makes while generating)."""
+        if self.settings.repetition_stop < 2:
+            return generation
+        ids = self.tokenizer(generation.text, add_special_tokens=False)["input_ids"]
+        kept, looped = cut_loop(ids, self.settings.repetition_stop)
+        if looped:
+            generation.text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
+            generation.finish_reason, generation.new_tokens = "repetition", len(kept)
+        return generation
 
     def generate(self, prompts: list[list[dict]], seed: int) -> list[Generation]:
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
@@ -265,7 +348,7 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
     ]
     assistant_turns = [[k for k, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in work]
     counts = {"turns": sum(len(t) for t in assistant_turns), "regenerated": 0, "beyond_max_len": 0, "failed": 0,
-              "skipped_after_drop": 0, "finished_by_length": 0, "new_tokens": 0, "retried": 0}
+              "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0, "retried": 0}
     failures, dropped = [], set()
     for wave in range(max((len(t) for t in assistant_turns), default=0)):
         jobs = []
@@ -292,6 +375,7 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
                 counts["regenerated"] += 1
                 counts["new_tokens"] += generation.new_tokens
                 counts["finished_by_length"] += generation.finish_reason == "length"
+                counts["stopped_by_repetition"] += generation.finish_reason == "repetition"
                 continue
             counts["failed"] += 1
             failures.append({"sample_id": work[index]["sample_id"], "turn": k, "attempts": generation.attempts,
@@ -343,9 +427,9 @@ def regenerate_shard(
 def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.PathLike) -> dict:
     """One report for the stage: totals over the shard reports, every failure listed."""
     reports = [json.loads(Path(p).read_text()) for p in report_paths]
-    totals = {key: sum(r[key] for r in reports) for key in
+    totals = {key: sum(r.get(key, 0) for r in reports) for key in  # reports older than a key count 0
               ("conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed",
-               "skipped_after_drop", "finished_by_length", "new_tokens", "retried")}
+               "skipped_after_drop", "finished_by_length", "stopped_by_repetition", "new_tokens", "retried")}
     summary = {
         "shards": len(reports),
         **totals,

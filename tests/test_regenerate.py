@@ -180,6 +180,90 @@ def test_prepared_key_changes_with_the_answers_not_with_speed_settings():
     assert plan.prepared_key(config) != on
 
 
+def test_a_loop_is_cut_after_its_first_copy_and_short_repeats_are_not_loops():
+    sentence = list(range(100, 110))  # a 10-token sentence
+    answer = [1, 2, 3] + sentence * 3
+    assert regenerate.loop_cut(answer, 3) == 3 + 10
+    assert regenerate.cut_loop(answer + sentence[:4], 3) == ([1, 2, 3] + sentence, True)
+    # Three equal tokens (12 tokens of copies at most) are no loop: code indents, "...".
+    assert regenerate.first_loop_cut([5, 7, 7, 7, 9, 4, 4, 4, 4], 3) is None
+    assert regenerate.loop_cut(sentence * 2, 3) is None  # two copies are not three
+    assert regenerate.cut_loop(answer, 0) == (answer, False)
+    # A long run of one token is a loop once its copies cover 16 tokens: period 6 x 3.
+    assert regenerate.first_loop_cut([8] + [0] * 30, 3) == 1 + 6
+
+
+def test_the_streaming_stop_ends_each_row_where_the_cut_falls():
+    import torch
+
+    rows = [[1, 2, 3] + list(range(40, 52)) * 4, list(range(60, 110)), [9] * 3 + [4, 5] * 20]
+    width = 5  # prompt tokens in front of the new ones
+    stop = regenerate.loop_stopping_criteria(width, 3)
+    first_stop = []
+    for row in rows:
+        at = next((n for n in range(1, len(row) + 1) if bool(stop(torch.tensor([[0] * width + row[:n]]), None)[0])), None)
+        first_stop.append(at)
+    for row, at in zip(rows, first_stop):
+        cut = regenerate.first_loop_cut(row, 3)
+        if cut is None:
+            assert at is None
+        else:  # the stop fires at the token completing the third copy; the cut keeps the first
+            assert regenerate.loop_cut(row[:at], 3) == cut
+    assert first_stop[0] == 3 + 36 and first_stop[1] is None
+    batch = torch.tensor([[0] * width + r[:40] for r in rows])
+    assert stop(batch, None).tolist() == [True, False, True]
+
+
+def test_greedy_answers_stop_at_their_first_loop(conversations, tmp_path, tiny_llama):
+    # Greedy decoding of random weights repeats one token: every answer loops at once.
+    greedy = dict(temperature=0.0, max_new_tokens=48)
+    _, report = run_shard(conversations, tmp_path, tiny_llama, name="loops", **greedy)
+    _, stopped_report = run_shard(conversations, tmp_path, tiny_llama, name="stopped", repetition_stop=3, **greedy)
+    assert_accounted(stopped_report)
+    assert report["stopped_by_repetition"] == 0 and report["finished_by_length"] > 0
+    assert stopped_report["stopped_by_repetition"] == stopped_report["regenerated"] > 0
+    assert stopped_report["new_tokens"] < report["new_tokens"] / 2
+    assert stopped_report["settings"]["repetition_stop"] == 3
+    # The stop changes where an answer ends, not what comes before: the same greedy tokens,
+    # cut where the full answer first loops.
+    import torch
+
+    backend = regenerate.TransformersBackend(tiny_llama, regenerate.Settings.from_config({**SAMPLING, **greedy, "repetition_stop": 3}))
+    prompt = backend.prompt_ids(read_jsonl(conversations)[0]["messages"][:1])
+    with torch.inference_mode():
+        full_ids = backend.model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=48,
+                                          eos_token_id=backend.stop_ids, pad_token_id=backend.pad_id)[0, len(prompt):].tolist()
+    cut = regenerate.first_loop_cut(full_ids, 3)
+    assert cut is not None and cut < len(full_ids)
+    (generation,) = backend._generate_rows([prompt], seed=0)
+    assert (generation.finish_reason, generation.new_tokens) == ("repetition", cut)
+    assert generation.text == backend.tokenizer.decode(full_ids[:cut], skip_special_tokens=True).strip()
+
+
+def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, tmp_path, tiny_llama, chat_server):
+    url = chat_server()
+    greedy = dict(backend="openai", url=url, concurrency=2, temperature=0.0, max_new_tokens=32, max_len=2048)
+    written, report = run_shard(conversations, tmp_path, tiny_llama, name="cut", repetition_stop=3, **greedy)
+    assert_accounted(report)
+    # The server ran every answer to its 32 tokens; the kept answers are shorter.
+    assert report["stopped_by_repetition"] > 0 and report["new_tokens"] < 32 * report["regenerated"]
+    tokenizer = prepare.load_tokenizer(tiny_llama)
+    for conversation in written:
+        for k in conversation["regenerated_turns"]:
+            ids = tokenizer(conversation["messages"][k]["content"], add_special_tokens=False)["input_ids"]
+            assert regenerate.first_loop_cut(ids, 3) is None
+
+
+def test_the_repetition_stop_names_new_answers_only_when_it_is_on():
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["regenerate"] = {"enabled": True, "temperature": 0.7}
+    before = plan.prepared_key(config)
+    config["regenerate"]["repetition_stop"] = 0
+    assert plan.prepared_key(config) == before
+    config["regenerate"]["repetition_stop"] = 3
+    assert plan.prepared_key(config) != before
+
+
 REGENERATE_TINY = {"enabled": True, **{k: v for k, v in SAMPLING.items() if k != "backoff_s"}, "threads": 1}
 
 
