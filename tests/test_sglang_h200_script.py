@@ -123,3 +123,20 @@ def test_compare_counts_verify_steps_as_the_replay_counts_cycles(tmp_path):
     assert row["eaglenest_tau"] == round(14 / 9, 4)
     assert row["sglang_per_verify_same_output"] == 2.0 and row["eaglenest_tau_same_output"] == 2.0
     assert row["difference_same_output"] == 0.0
+
+
+def test_noise_step_measures_bf16_against_float32_on_the_chosen_rows(prepared_shard, tiny_llama, tmp_path):
+    from eaglenest import shards
+
+    counts = shards.ShardReader.open(prepared_shard).token_counts
+    row = counts[0] + 2  # the third token of the second sample
+    out = tmp_path / "noise.json"
+    assert run_step("noise", "--out", out, "--target-dir", tiny_llama, "--prepared", prepared_shard, "--rows", row,
+                    "--samples", 1, "--device", "cpu", "--threads", 1) == 0
+    part = json.loads(out.read_text())
+    assert part["samples"] == 2 and part["tokens"] == counts[0] + counts[1]
+    assert part["rows"][str(row)]["sample"] == 1 and part["rows"][str(row)]["position"] == 2
+    for name, tensor in part["tensors"].items():
+        # bf16 moves every value (an 8-bit mantissa) but keeps each row's direction.
+        assert 0 < tensor["mean_relative_diff"] < 0.05 and tensor["min_row_cosine"] > 0.95, (name, tensor)
+        assert 0.95 < part["rows"][str(row)][name] <= 1.0 + 1e-6
