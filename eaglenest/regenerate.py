@@ -101,16 +101,20 @@ LOOP_MAX_PERIOD = 64
 LOOP_MIN_TOKENS = 16
 
 
-def loop_cut(tokens: list[int], repeats: int) -> int | None:
-    """The length that keeps the first copy when ``tokens`` end in a loop, else None."""
-    n = len(tokens)
-    for period in range(1, LOOP_MAX_PERIOD + 1):
-        covered = period * repeats
-        if covered > n:
-            break
-        if covered < LOOP_MIN_TOKENS:
-            continue
-        last = tokens[n - period:]
+def _loop_periods(length: int, repeats: int):
+    """The span lengths a loop can have at the end of ``length`` tokens: 1..LOOP_MAX_PERIOD,
+    with ``repeats`` copies fitting in ``length`` and covering LOOP_MIN_TOKENS or more."""
+    for period in range(max(1, -(-LOOP_MIN_TOKENS // repeats)), LOOP_MAX_PERIOD + 1):
+        if period * repeats > length:
+            return
+        yield period
+
+
+def loop_cut(tokens: list[int], repeats: int, end: int | None = None) -> int | None:
+    """The length that keeps the first copy when ``tokens[:end]`` end in a loop, else None."""
+    n = len(tokens) if end is None else end
+    for period in _loop_periods(n, repeats):
+        last = tokens[n - period:n]
         if all(tokens[n - (r + 1) * period: n - r * period] == last for r in range(1, repeats)):
             return n - (repeats - 1) * period
     return None
@@ -120,7 +124,7 @@ def first_loop_cut(tokens: list[int], repeats: int) -> int | None:
     """:func:`loop_cut` at the first token where a loop completes (what a stop checked
     after every new token sees), or None when the answer never loops."""
     for end in range(min(LOOP_MIN_TOKENS, len(tokens)), len(tokens) + 1):
-        cut = loop_cut(tokens[:end], repeats)
+        cut = loop_cut(tokens, repeats, end)
         if cut is not None:
             return cut
     return None
@@ -143,13 +147,8 @@ def loop_stopping_criteria(prompt_width: int, repeats: int):
             new = input_ids[:, prompt_width:]
             rows, n = new.shape
             done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-            for period in range(1, LOOP_MAX_PERIOD + 1):
-                covered = period * repeats
-                if covered > n:
-                    break
-                if covered < LOOP_MIN_TOKENS:
-                    continue
-                copies = new[:, n - covered:].reshape(rows, repeats, period)
+            for period in _loop_periods(n, repeats):
+                copies = new[:, n - period * repeats:].reshape(rows, repeats, period)
                 done |= (copies == copies[:, -1:, :]).all(dim=2).all(dim=1)
             return done
 
