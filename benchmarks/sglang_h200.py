@@ -394,12 +394,15 @@ def cmd_compare(options) -> int:
             row[f"difference{key}"] = round(a - b, 4) if a is not None and b is not None else None
         report["settings"][label] = row
     write_json(options.out, report)
+    def number(value):  # a missing figure prints as nan, a difference of 0.0 as +0.000
+        return float("nan") if value is None else value
+
     print(f"{'setting':8} {'prompts':>7} {'SGLang':>8} {'per verify':>10} {'eaglenest':>9} {'diff':>7} | {'same out':>8} {'SGLang':>8} {'eaglenest':>9} {'diff':>7}")
     for label, row in report["settings"].items():
-        print(f"{label:8} {row['prompts']:7d} {row['sglang_accept_length'] or float('nan'):8.3f} {row['sglang_per_verify'] or float('nan'):10.3f} "
-              f"{row['eaglenest_tau'] or float('nan'):9.3f} {row['difference'] or float('nan'):+7.3f} | {row['same_output_prompts']:8d} "
-              f"{row['sglang_per_verify_same_output'] or float('nan'):8.3f} {row['eaglenest_tau_same_output'] or float('nan'):9.3f} "
-              f"{row['difference_same_output'] if row['difference_same_output'] is not None else float('nan'):+7.3f}")
+        print(f"{label:8} {row['prompts']:7d} {number(row['sglang_accept_length']):8.3f} {number(row['sglang_per_verify']):10.3f} "
+              f"{number(row['eaglenest_tau']):9.3f} {number(row['difference']):+7.3f} | {row['same_output_prompts']:8d} "
+              f"{number(row['sglang_per_verify_same_output']):8.3f} {number(row['eaglenest_tau_same_output']):9.3f} "
+              f"{number(row['difference_same_output']):+7.3f}")
     return 0
 
 
