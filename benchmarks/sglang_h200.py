@@ -20,6 +20,8 @@ without a GPU; ``generate`` needs only /generate with input_ids.
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import sys
 import time
@@ -297,16 +299,14 @@ def cmd_noise(options) -> int:
     layer_ids = layer_id_convention.resolve("default", hf["num_hidden_layers"])
     prepared = shards.ShardReader.open(options.prepared)
     counts = prepared.token_counts
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
+    starts = list(itertools.accumulate(counts, initial=0))  # sample i is rows starts[i]:starts[i + 1]
     rows = [int(r) for r in options.rows.split(",")] if options.rows else []
-    sample_of = {row: next(i for i in range(len(counts)) if starts[i] <= row < starts[i + 1]) for row in rows}
+    sample_of = {row: bisect.bisect_right(starts, row) - 1 for row in rows}
     chosen = sorted(set(range(min(options.samples, len(counts)))) | set(sample_of.values()))
     ids = prepared.tensor("input_ids")
     sub_ids = torch.cat([ids[starts[i]:starts[i + 1]] for i in chosen])
     sub_counts = [counts[i] for i in chosen]
-    sub_offsets = torch.tensor([0] + list(torch.tensor(sub_counts).cumsum(0)))
+    sub_offsets = torch.tensor(list(itertools.accumulate(sub_counts, initial=0)))
     outputs = {}
     for compute in ("float32", "bfloat16"):
         model = target_runtime.load_target(options.target_dir, target_runtime.pick_device(options.device), compute)
@@ -449,8 +449,8 @@ def main(argv=None) -> int:
     noise.add_argument("--threads", type=int, default=2)
     noise.add_argument("--tokens-per-batch", type=int, default=16384)
     options = parser.parse_args(argv)
-    commands = {"noise": cmd_noise, "config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge,
-                "compare": cmd_compare}
+    commands = {"config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge,
+                "compare": cmd_compare, "noise": cmd_noise}
     return commands[options.command](options)
 
 
