@@ -40,7 +40,6 @@ wait_for() { # file, seconds: until the file exists
 timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${CONFIGS[@]}" || exit 1
 
 timed pipeline $SNAKEMAKE --cores "$CORES" --keep-going --configfile "${CONFIGS[@]}" logs/h200/epochs.yaml &
-PIPELINE=$!
 
 # The benchmarks' temporary data (the Kimi-shaped drafter alone is 3.5 GB) and SGLang's copies
 # of a shard go to memory: the disk holds the run's 50 GB of hidden states, and once a
