@@ -213,7 +213,8 @@ def post_generate(url: str, payload: dict, timeout: float) -> dict:
 
 
 # Fields SGLang 0.5.14 puts in meta_info for a speculative request
-# (tokenizer_manager.py, the speculative metrics block); absent without speculation.
+# (sglang/srt/managers/tokenizer_manager.py:2301-2340, _calculate_spec_decoding_metrics, where
+# spec_accept_length is completion_tokens / spec_verify_ct, :2329-2331); absent without speculation.
 SPEC_FIELDS = ("spec_accept_length", "spec_verify_ct", "spec_accepted_drafts", "spec_accept_rate", "spec_accept_histogram")
 
 
