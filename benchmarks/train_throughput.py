@@ -31,6 +31,7 @@ import platform
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -164,10 +165,12 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     }
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    summary = train.train(
-        str(out / "index.json"), str(out / "draft_vocab.safetensors"), str(out / "split.json"), str(root / "target"),
-        str(root / "drafter"), str(root / "checkpoints"), settings=settings, target_name="bench", expect=expect,
-    )
+    with profiled(args.profile, device) as profile:
+        summary = train.train(
+            str(out / "index.json"), str(out / "draft_vocab.safetensors"), str(out / "split.json"),
+            str(root / "target"), str(root / "drafter"), str(root / "checkpoints"), settings=settings,
+            target_name="bench", expect=expect,
+        )
     curve = json.loads((root / "drafter" / "training_curve.json").read_text())
     saved = json.loads((root / "drafter" / "config.json").read_text())
     config = drafter.DrafterConfig.from_dict({k: v for k, v in saved.items() if k in drafter.DrafterConfig.__dataclass_fields__})
@@ -189,7 +192,41 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     }
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if profile:
+        result["profile"] = profile_table(profile)
     return result
+
+
+@contextmanager
+def profiled(enabled: bool, device: torch.device):
+    """torch.profiler over the whole training call when ``enabled`` (its step times then
+    include the profiler's own cost); yields the profiler or None."""
+    if not enabled:
+        yield None
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        yield profile
+
+
+def profile_table(profile, rows: int = 30) -> list[dict]:
+    """The operators that took the most device time (CPU time on a CPU run), by self time:
+    name, calls, milliseconds, share of the total."""
+    events = profile.key_averages()
+
+    def self_us(event):
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            value = getattr(event, name, 0) or 0
+            if value:
+                return value
+        return event.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) or 1
+    ranked = sorted(events, key=self_us, reverse=True)[:rows]
+    return [{"op": e.key, "calls": e.count, "ms": round(self_us(e) / 1e3, 3), "share": round(self_us(e) / total, 4)}
+            for e in ranked]
 
 
 def shape_of(name: str, args) -> dict:
@@ -336,6 +373,8 @@ def main(argv=None):
                         help="storage dtype of the random hidden shards (extract.dtype; the H200 configs use fp8)")
     parser.add_argument("--draft-vocab", type=int,
                         help="consolidate.draft_vocab_size (default: the shape's; config/h200-smollm2.yaml trains 32000)")
+    parser.add_argument("--profile", action="store_true",
+                        help="record the operators' device time over the run (torch.profiler; slows the steps)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = train.resolve_device(args.device, 0)
@@ -349,7 +388,7 @@ def main(argv=None):
     results["settings"] = {"rows": args.rows, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
                            "sample_len": args.sample_len,
                            "ttt_length": args.ttt_length, "compile": args.compile, "attention": args.attention or "auto",
-                           "recompute_steps": args.recompute_steps,
+                           "recompute_steps": args.recompute_steps, "profile": args.profile,
                            "draft_vocab": {name: shape_of(name, args)["draft_vocab"] for name in args.shape or ["smollm2"]}}
 
     def save():

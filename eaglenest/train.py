@@ -39,7 +39,7 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
-from eaglenest import atomic, drafter as drafter_lib, loader, shards, vocab
+from eaglenest import atomic, draft_loss, drafter as drafter_lib, loader, shards, vocab
 from eaglenest import settings as settings_lib
 
 log = logging.getLogger("eaglenest.train")
@@ -116,70 +116,28 @@ def step_positions(batch: dict, in_draft: torch.Tensor, ttt_length: int) -> list
     return [rows - j * per_row for j, rows in enumerate(flat.split(counts))]
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """sum over rows of -sum_k p_k log softmax(z)_k with p = softmax(target logits).
-
-    Saves the logits and the target logits as they are (bf16 on a GPU: 2 bytes an element)
-    instead of autograd's float32 log-softmax and probabilities (8 bytes); the gradient
-    softmax(z) - p is formed in float32 chunks of ``rows`` rows."""
-
-    rows = 4096
-
-    @staticmethod
-    def forward(ctx, logits, target_logits):
-        ctx.save_for_backward(logits, target_logits)
-        total = logits.new_zeros((), dtype=torch.float32)
-        for z, t in zip(logits.split(SoftCrossEntropy.rows), target_logits.split(SoftCrossEntropy.rows)):
-            z = z.float()
-            p = torch.softmax(t.float(), dim=-1)
-            total = total + (p * (torch.logsumexp(z, dim=-1, keepdim=True) - z)).sum()
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, target_logits = ctx.saved_tensors
-        parts = [
-            ((torch.softmax(z.float(), dim=-1) - torch.softmax(t.float(), dim=-1)) * grad).to(logits.dtype)
-            for z, t in zip(logits.split(SoftCrossEntropy.rows), target_logits.split(SoftCrossEntropy.rows))
-        ]
-        return torch.cat(parts), None
-
-
 class TTTObjective(nn.Module):
     """Wraps the drafter so that DDP sees the whole unroll as one forward."""
 
     def __init__(self, model: drafter_lib.Eagle3Drafter, ttt_length: int,
                  loss_chunk_rows: int = DEFAULTS["loss_chunk_rows"],
                  attention_backend: str = DEFAULTS["attention"],
-                 recompute_steps: bool = DEFAULTS["recompute_steps"]):
+                 recompute_steps: bool = DEFAULTS["recompute_steps"],
+                 compile_loss: bool = DEFAULTS["compile"]):
         super().__init__()
         self.drafter = model
         self.ttt_length = ttt_length
-        # Above this many counted positions a step's loss runs in chunks whose logits are
-        # recomputed in the backward pass: a step of 16 x 16,384 tokens otherwise keeps
-        # [positions, draft vocab] logits per TTT step (11 GB each in bf16 at 32K).
+        # A step's loss runs loss_chunk_rows positions at a time (eaglenest.draft_loss): one
+        # chunk's [positions, draft vocab] float32 block exists at a time.
         self.loss_chunk_rows = loss_chunk_rows
         self.attention_backend = attention_backend
         self.recompute_steps = recompute_steps
-
-    def _soft_ce(self, normed_rows, target_logits, target_ids):
-        logits = self.drafter.compute_logits(normed_rows)
-        ce = SoftCrossEntropy.apply(logits, target_logits)
-        return ce, (logits.argmax(-1) == target_ids).sum()
+        self.compile_loss = compile_loss
 
     def step_loss(self, normed_rows, target_logits, target_ids):
-        """(sum of soft CE, top-1 hits) over the rows as device tensors, chunked past
-        ``loss_chunk_rows``."""
-        if normed_rows.shape[0] <= self.loss_chunk_rows:
-            return self._soft_ce(normed_rows, target_logits, target_ids)
-        ce, hits = 0.0, 0
-        for start in range(0, normed_rows.shape[0], self.loss_chunk_rows):
-            part = slice(start, start + self.loss_chunk_rows)
-            chunk_ce, chunk_hits = torch.utils.checkpoint.checkpoint(
-                self._soft_ce, normed_rows[part], target_logits[part], target_ids[part], use_reentrant=False
-            )
-            ce, hits = ce + chunk_ce, hits + chunk_hits
-        return ce, hits
+        """(sum of soft CE, top-1 hits) over the rows, as device tensors."""
+        return draft_loss.head_soft_cross_entropy(normed_rows, self.drafter.lm_head.weight, target_logits,
+                                                  target_ids, self.loss_chunk_rows, self.compile_loss)
 
     def unroll(self, batch):
         """Yield (j, normed [B, T, H]) per TTT step. Step j at position t reads x_{t+1+j} and sits
@@ -513,7 +471,7 @@ def _train(
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
-                             settings["recompute_steps"])
+                             settings["recompute_steps"], compile_loss=settings["compile"] and device.type == "cuda")
     if settings["compile"] and device.type == "cuda":
         # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -13,7 +13,7 @@ def test_train_throughput_times_eaglenest_and_the_eager_ceiling_on_cpu(tmp_path)
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--shape", "smollm2", "--device", "cpu",
          "--ttt-length", "2", "--token-budget", "128", "--sample-len", "128", "--rows", "1", "--steps", "2",
-         "--warmup", "1", "--threads", "1", "--samples-per-shard", "1", "--ceiling", "--out", str(out)],
+         "--warmup", "1", "--threads", "1", "--samples-per-shard", "1", "--ceiling", "--profile", "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -21,6 +21,9 @@ def test_train_throughput_times_eaglenest_and_the_eager_ceiling_on_cpu(tmp_path)
     assert [("ceiling" in r.get("step", "")) for r in runs] == [False, True], runs
     assert all(r["tokens_per_s"] > 0 and "error" not in r for r in runs)
     assert runs[1]["eaglenest_over_ceiling"] > 0
+    profile = runs[0]["profile"]  # the operators that took the time, largest first
+    assert profile and all(row["ms"] >= 0 and row["calls"] > 0 for row in profile)
+    assert [row["ms"] for row in profile] == sorted((row["ms"] for row in profile), reverse=True)
     assert "x ceiling" in result.stdout
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglenest import consolidate, loader, shards, train
+from eaglenest import consolidate, draft_loss, loader, shards, train
 
 LAYER_IDS = [1, 3, 4]
 EXPECT = {"target": "tiny-llama", "layer_ids": LAYER_IDS, "dtype": "bfloat16"}
@@ -387,40 +387,44 @@ def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(tiny
     assert "torch.distributed.run" in log and "val step" in log
 
 
-def test_chunked_step_loss_equals_the_whole_loss_and_its_gradients():
-    """Past loss_chunk_rows a step's loss runs in recomputed chunks (memory of a chunk, not of
-    [positions, draft vocab] logits): same loss, hits and gradients."""
-    from test_drafter import tiny_drafter
-
-    torch.manual_seed(0)
-    rows, vocab = 37, tiny_drafter().config.draft_vocab_size
-    normed = torch.randn(rows, tiny_drafter().config.hidden_size)
-    target = torch.randn(rows, vocab)  # the target's draft-vocab logits
-    target_ids = target.argmax(-1)
-    results = []
-    for chunk in (1000, 8):
-        model = tiny_drafter(seed=1)
-        objective = train.TTTObjective(model, ttt_length=1, loss_chunk_rows=chunk)
-        ce, hits = objective.step_loss(normed, target, target_ids)
-        ce.backward()
-        results.append((ce.detach(), hits, model.lm_head.weight.grad.clone()))
-    (whole, whole_hits, whole_grad), (chunked, chunked_hits, chunked_grad) = results
-    assert int(whole_hits) == int(chunked_hits)
-    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked_grad, whole_grad, rtol=1e-5, atol=1e-6)
+def plain_step_loss(normed, weight, target_logits):
+    """The step's loss as autograd computes it from the formula: -sum p log softmax(x W^T)."""
+    logits = normed @ weight.T
+    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(), logits
 
 
-def test_soft_cross_entropy_and_its_gradient_equal_autograd_of_the_plain_formula():
+@pytest.mark.parametrize("chunk_rows", [1000, 8, 1])
+def test_head_soft_cross_entropy_equals_autograd_of_the_plain_formula(chunk_rows):
+    """Loss, hits and both gradients (input and head weight) of the fused one-pass loss equal
+    autograd's on the plain formula, in float64, whole or in chunks, under an upstream scale
+    (the step's weight in the objective)."""
     generator = torch.Generator().manual_seed(3)
-    logits = torch.randn(9, 13, generator=generator, dtype=torch.float64, requires_grad=True)
-    target = torch.randn(9, 13, generator=generator, dtype=torch.float64)
-    plain = -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum()
-    (expected_grad,) = torch.autograd.grad(plain, logits)
-    train.SoftCrossEntropy.rows, rows = 4, train.SoftCrossEntropy.rows  # several chunks
-    try:
-        fused = train.SoftCrossEntropy.apply(logits, target)
-        (fused_grad,) = torch.autograd.grad(fused, logits)
-    finally:
-        train.SoftCrossEntropy.rows = rows
+    rows, hidden, vocab = 37, 16, 29
+    normed = torch.randn(rows, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(rows, vocab, generator=generator, dtype=torch.float64)
+    target_ids = target.argmax(-1)
+    plain, logits = plain_step_loss(normed, weight, target)
+    expected = torch.autograd.grad(plain * 0.37, (normed, weight))
+    fused, hits = draft_loss.head_soft_cross_entropy(normed, weight, target, target_ids, chunk_rows)
+    got = torch.autograd.grad(fused * 0.37, (normed, weight))
+    assert int(hits) == int((logits.argmax(-1) == target_ids).sum())
+    assert fused.dtype == torch.float32  # the loss accumulates in float32
     torch.testing.assert_close(fused, plain.float(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(fused_grad, expected_grad, rtol=1e-5, atol=1e-7)  # float32 inside
+    for fused_grad, plain_grad in zip(got, expected):
+        assert fused_grad.dtype == torch.float64
+        torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)  # float32 inside
+
+
+def test_head_soft_cross_entropy_keeps_no_logits_and_skips_the_gradient_without_grad():
+    """Without a gradient (validation) nothing is kept for a backward pass; a frozen head gets
+    no weight gradient while the input still gets its own."""
+    normed, weight = torch.randn(5, 4, requires_grad=True), torch.randn(7, 4)
+    target = torch.randn(5, 7)
+    with torch.no_grad():
+        total, _ = draft_loss.head_soft_cross_entropy(normed, weight, target, target.argmax(-1), 2)
+    assert total.grad_fn is None
+    total, _ = draft_loss.head_soft_cross_entropy(normed, weight, target, target.argmax(-1), 2)
+    (grad_input,) = torch.autograd.grad(total, (normed,))
+    (plain_grad,) = torch.autograd.grad(plain_step_loss(normed, weight, target)[0], (normed,))
+    torch.testing.assert_close(grad_input, plain_grad, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,103 @@
+"""One TTT step's loss: the drafter's head over the draft vocabulary, the soft cross-entropy
+against the target's distribution, and the top-1 hits, in one pass that also forms the gradient.
+
+The head's logits and the target's probabilities are [positions, draft vocab] blocks (27,500 x
+32,000 float32 is 3.5 GB for a SmolLM2 step on an H200); every elementwise pass over them costs
+memory bandwidth, not FLOPs. Autograd's path reads and writes such blocks many times: the
+forward pass, a recomputation of the logits for the backward pass (or keeping them), and the
+backward pass's softmaxes. Here the gradient of the loss with respect to the logits,
+softmax(z) - p, is formed in the same pass that computes the loss, chunk by chunk, and turned
+at once into the gradients of the head's input and weight. Those two small tensors are all the
+backward pass keeps; it only scales them by the loss's upstream gradient (a scalar, the step's
+weight in the objective), which is exact because the loss is linear in its upstream scale.
+
+On a GPU with ``compiled=True`` the elementwise part of a chunk runs as one compiled kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, with_grad: bool):
+    """(sum over rows of -sum_k p_k log softmax(z)_k, d/dz of that sum or None), in float32,
+    for z = ``logits`` and p = softmax(``target_logits``), both [rows, vocab].
+
+    sum_k p_k (lse(z) - z_k) = lse(z) - p . z since the p_k of a row sum to one; the gradient
+    softmax(z) - p overwrites the float32 copy of z in place."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(target_logits.float(), dim=-1)
+    total = lse.sum() - torch.dot(p.flatten(), z.flatten())
+    if not with_grad:
+        return total, None
+    return total, z.sub_(lse.unsqueeze(-1)).exp_().sub_(p)
+
+
+_compiled_chunk = None
+
+
+def _chunk_function(compiled: bool):
+    global _compiled_chunk
+    if not compiled:
+        return soft_ce_chunk
+    if _compiled_chunk is None:
+        # Each step's number of counted positions differs: one kernel for every row count.
+        _compiled_chunk = torch.compile(soft_ce_chunk, dynamic=True)
+    return _compiled_chunk
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the head's product runs in: autocast's on a GPU under autocast, else the input's."""
+    if tensor.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return tensor.dtype
+
+
+class HeadSoftCrossEntropy(torch.autograd.Function):
+    """(sum of soft CE, top-1 hits) of ``normed @ weight.T`` against ``target_logits``.
+
+    normed [N, H], weight [D, H] (the drafter's lm_head), target_logits [N, D] (the target's
+    draft-vocabulary logits), target_ids [N] (their argmax). Rows go ``chunk_rows`` at a time,
+    so no more than one chunk's [chunk_rows, D] float32 block exists. The gradient of the
+    weight is accumulated in float32 over the chunks."""
+
+    @staticmethod
+    def forward(ctx, normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool):
+        ctx.normed_dtype, ctx.weight_dtype = normed.dtype, weight.dtype
+        want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with_grad = want_input or want_weight
+        compute = _compute_dtype(normed)
+        x, w = normed.to(compute), weight.to(compute)
+        chunk = _chunk_function(compiled and normed.is_cuda)
+        total = normed.new_zeros((), dtype=torch.float32)
+        hits = torch.zeros((), dtype=torch.int64, device=normed.device)
+        grad_input = torch.empty_like(x) if want_input else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        for start in range(0, x.shape[0], chunk_rows):
+            part = slice(start, start + chunk_rows)
+            logits = x[part] @ w.T
+            hits += (logits.argmax(-1) == target_ids[part]).sum()
+            part_total, grad_logits = chunk(logits, target_logits[part], with_grad)
+            total += part_total
+            if with_grad:
+                grad_logits = grad_logits.to(compute)
+                if want_input:
+                    grad_input[part] = grad_logits @ w
+                if want_weight:
+                    grad_weight += grad_logits.T @ x[part]
+        ctx.save_for_backward(grad_input, grad_weight)
+        ctx.mark_non_differentiable(hits)
+        return total, hits
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_hits):
+        grad_input, grad_weight = ctx.saved_tensors
+        scaled_input = None if grad_input is None else (grad_input * grad_total).to(ctx.normed_dtype)
+        scaled_weight = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
+        return scaled_input, scaled_weight, None, None, None, None
+
+
+def head_soft_cross_entropy(normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool = False):
+    """(sum of soft CE as a float32 tensor with a gradient, top-1 hits as an int64 tensor)."""
+    return HeadSoftCrossEntropy.apply(normed, weight, target_logits, target_ids, chunk_rows, compiled)
