@@ -283,6 +283,9 @@ def cmd_merge(options) -> int:
     return 0
 
 
+NOISE_BARS = (0.999, 0.995, 0.99, 0.98, 0.97, 0.95)
+
+
 def cmd_noise(options) -> int:
     """transformers in bfloat16 against transformers in float32 on the samples holding
     ``--rows`` (token rows of the prepared shard) and the first ``--samples`` samples.
@@ -331,6 +334,10 @@ def cmd_noise(options) -> int:
     for name, (a, b) in tensors.items():
         part["tensors"][name] = compare_tensors(a, b)
         cosine = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+        # The tail of the distribution, which a per-row tolerance has to cover.
+        part["tensors"][name]["rows_below"] = {str(bar): int((cosine < bar).sum()) for bar in NOISE_BARS}
+        part["tensors"][name]["cosine_quantiles"] = {
+            str(q): round(float(torch.quantile(cosine.double(), q)), 6) for q in (1e-5, 1e-4, 1e-3, 1e-2)}
         for row, at in local.items():
             part["rows"].setdefault(str(row), {"sample": sample_of[row], "position": row - starts[sample_of[row]]})[name] = \
                 round(float(cosine[at]), 5)

@@ -140,3 +140,7 @@ def test_noise_step_measures_bf16_against_float32_on_the_chosen_rows(prepared_sh
         # bf16 moves every value (an 8-bit mantissa) but keeps each row's direction.
         assert 0 < tensor["mean_relative_diff"] < 0.05 and tensor["min_row_cosine"] > 0.95, (name, tensor)
         assert 0.95 < part["rows"][str(row)][name] <= 1.0 + 1e-6
+        below = [tensor["rows_below"][bar] for bar in sorted(tensor["rows_below"], key=float, reverse=True)]
+        assert below == sorted(below, reverse=True) and below[-1] == 0  # none under 0.95 (min cosine > 0.95)
+        quantiles = [tensor["cosine_quantiles"][q] for q in sorted(tensor["cosine_quantiles"], key=float)]
+        assert quantiles == sorted(quantiles) and quantiles[0] >= tensor["min_row_cosine"] - 1e-6
