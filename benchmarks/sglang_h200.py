@@ -12,6 +12,8 @@ failures and merges the parts into results.json (``merge``).
     compare    SGLang's accept length next to eaglenest's replay tau on the same prompts
     noise      the scale of bf16 noise: transformers in bfloat16 against itself in float32,
                on chosen rows of a prepared shard (e.g. the rows extract found worst)
+    noise-check  extract's comparison against that noise measured over the same shard:
+               is every row of SGLang against transformers within what bf16 alone does?
 
 Works against the test suite's stand-in server (tests/support/standin_server.py) too (same protocol), which is how it is tested
 without a GPU; ``generate`` needs only /generate with input_ids.
@@ -348,6 +350,52 @@ def cmd_noise(options) -> int:
     return 0
 
 
+def noise_check(comparison: dict, noise: dict) -> dict:
+    """SGLang against transformers (both bf16), tensor by tensor, against how far bf16 alone
+    moves the same rows from exact arithmetic (``noise``: the noise step over the same shard).
+
+    A row is within bf16 noise when its cosine is at least the tensor's bar: the worst row
+    cosine bf16 alone reaches on that tensor, or MIN_ROW_COSINE where bf16 alone stays above
+    it (the fixed bar is kept where the noise is smaller). The mean relative difference may be
+    at most twice bf16's own: two bf16 implementations each carry their own rounding."""
+    tensors = {}
+    for name, measured in noise["tensors"].items():
+        got = comparison["tensors"][name]
+        bar = min(MIN_ROW_COSINE, measured["min_row_cosine"])
+        mean_bar = 2 * measured["mean_relative_diff"]
+        tensors[name] = {
+            "sglang_min_row_cosine": got["min_row_cosine"], "bf16_min_row_cosine": measured["min_row_cosine"],
+            "row_bar": bar, "sglang_rows_below_0.99": got["rows_below_cosine"],
+            "bf16_rows_below_0.99": measured.get("rows_below", {}).get(str(MIN_ROW_COSINE)),
+            "sglang_mean_relative_diff": got["mean_relative_diff"], "bf16_mean_relative_diff": measured["mean_relative_diff"],
+            "every_row_within": got["min_row_cosine"] >= bar, "mean_within": got["mean_relative_diff"] <= mean_bar,
+        }
+    same_rows = comparison["tokens"] == noise["tokens"] and noise["samples"] == comparison["samples"]
+    ids_equal = all(t.get("equal", True) for k, t in comparison["tensors"].items() if "hidden" not in k)
+    return {
+        "tensors": tensors, "same_rows_measured": same_rows, "ids_equal": ids_equal,
+        "within_bf16_noise": bool(same_rows and ids_equal and comparison["same_samples"]
+                                  and comparison["same_token_counts"]
+                                  and all(t["every_row_within"] and t["mean_within"] for t in tensors.values())),
+    }
+
+
+def cmd_noise_check(options) -> int:
+    results = json.loads(Path(options.results).read_text())
+    comparison = results.get("parts", {}).get("extract", results).get("comparison")
+    if comparison is None:
+        raise SystemExit(f"{options.results}: no extract comparison")
+    report = {"results": options.results, "noise": options.noise,
+              **noise_check(comparison, json.loads(Path(options.noise).read_text()))}
+    write_json(options.out, report)
+    for name, row in report["tensors"].items():
+        print(f"{name:14} SGLang min {row['sglang_min_row_cosine']:.4f}  bf16 alone min {row['bf16_min_row_cosine']:.4f}  "
+              f"bar {row['row_bar']:.4f}  rows<0.99 {row['sglang_rows_below_0.99']}/{row['bf16_rows_below_0.99']}  "
+              f"mean {row['sglang_mean_relative_diff']:.4f}/{row['bf16_mean_relative_diff']:.4f}")
+    print("within bf16 noise:", report["within_bf16_noise"])
+    return 0 if report["within_bf16_noise"] else 1
+
+
 def _accept_totals(rows: list[tuple[int, int]]) -> float | None:
     """Tokens per verify step over a set of prompts: sum of tokens / sum of steps."""
     steps = sum(s for _, s in rows)
@@ -456,8 +504,12 @@ def main(argv=None) -> int:
     noise.add_argument("--device", default="auto")
     noise.add_argument("--threads", type=int, default=2)
     noise.add_argument("--tokens-per-batch", type=int, default=16384)
+    check = sub.add_parser("noise-check", help="the extract comparison against the measured bf16 noise")
+    check.add_argument("--results", required=True, help="results.json of benchmarks/sglang_h200.sh (or its extract part)")
+    check.add_argument("--noise", required=True, help="the noise step's JSON over the same shard")
+    check.add_argument("--out", required=True)
     options = parser.parse_args(argv)
-    commands = {"config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge,
+    commands = {"noise-check": cmd_noise_check, "config": cmd_config, "extract": cmd_extract, "refuse": cmd_refuse, "generate": cmd_generate, "merge": cmd_merge,
                 "compare": cmd_compare, "noise": cmd_noise}
     return commands[options.command](options)
 

@@ -144,3 +144,37 @@ def test_noise_step_measures_bf16_against_float32_on_the_chosen_rows(prepared_sh
         assert below == sorted(below, reverse=True) and below[-1] == 0  # none under 0.95 (min cosine > 0.95)
         quantiles = [tensor["cosine_quantiles"][q] for q in sorted(tensor["cosine_quantiles"], key=float)]
         assert quantiles == sorted(quantiles) and quantiles[0] >= tensor["min_row_cosine"] - 1e-6
+
+
+def _noise_pair(sglang_min: float, sglang_mean: float) -> tuple[dict, dict]:
+    """An extract comparison and a noise measurement over the same 10 rows, one hidden tensor."""
+    comparison = {"samples": 2, "tokens": 10, "same_samples": True, "same_token_counts": True,
+                  "tensors": {"input_ids": {"equal": True},
+                              "last_hidden": {"min_row_cosine": sglang_min, "rows_below_cosine": 1,
+                                              "mean_relative_diff": sglang_mean}}}
+    noise = {"samples": 2, "tokens": 10,
+             "tensors": {"last_hidden": {"min_row_cosine": 0.95, "mean_relative_diff": 0.02, "rows_below": {"0.99": 2}}}}
+    return comparison, noise
+
+
+def test_noise_check_takes_the_bf16_noise_as_the_bar_where_it_is_wider_than_the_fixed_one(tmp_path):
+    within = sglang_h200.noise_check(*_noise_pair(sglang_min=0.96, sglang_mean=0.03))
+    assert within["within_bf16_noise"] and within["tensors"]["last_hidden"]["row_bar"] == 0.95
+    # one row further from transformers than bf16 alone moves any row from exact arithmetic
+    assert not sglang_h200.noise_check(*_noise_pair(sglang_min=0.94, sglang_mean=0.03))["within_bf16_noise"]
+    # a mean difference over twice bf16's own
+    assert not sglang_h200.noise_check(*_noise_pair(sglang_min=0.96, sglang_mean=0.05))["within_bf16_noise"]
+    # a noise measurement over other rows proves nothing about these
+    comparison, noise = _noise_pair(sglang_min=0.96, sglang_mean=0.03)
+    noise["tokens"] = 9
+    assert not sglang_h200.noise_check(comparison, noise)["within_bf16_noise"]
+    # where bf16 alone stays above 0.99 the fixed bar of 0.99 holds
+    comparison, noise = _noise_pair(sglang_min=0.985, sglang_mean=0.03)
+    noise["tensors"]["last_hidden"]["min_row_cosine"] = 0.999
+    assert not sglang_h200.noise_check(comparison, noise)["within_bf16_noise"]
+    # the command: exit status 1 when not within, and the report written either way
+    results, noise_path, out = tmp_path / "results.json", tmp_path / "noise.json", tmp_path / "check.json"
+    results.write_text(json.dumps({"parts": {"extract": {"comparison": comparison}}}))
+    noise_path.write_text(json.dumps(noise))
+    assert run_step("noise-check", "--results", results, "--noise", noise_path, "--out", out) == 1
+    assert json.loads(out.read_text())["within_bf16_noise"] is False
