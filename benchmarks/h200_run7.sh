@@ -3,15 +3,17 @@
 # data, split, draft vocabulary, references and shape (8 rows of 4,096 tokens), trained with the
 # one-pass loss (eaglenest/draft_loss.py) for as many epochs as fit $TRAIN_S seconds of steps.
 #   1. convert the GGUF; then, while prepare and extract run (the data phase, --until consolidate):
-#      the training step's benchmark at the real shape (draft vocabulary 32,000, fp8 rows) with
-#      this checkout's code and, in the same run, with the code before the one-pass loss
-#      ($OLD_CODE, a copy of the package at that commit); then bf16 noise over the first
-#      prepared shard (transformers in bfloat16 against itself in float32, on the GPU).
-#   2. the epochs: floor(TRAIN_S / (STEPS_PER_EPOCH x the benchmark's step seconds)), 1 to 5.
-#   3. the whole workflow at those epochs: training, export, the greedy references and the
-#      replay on the CPU cores.
-#   4. after the export, on the otherwise idle GPU: the step with train.compile, and a profile
-#      of the step's operators.
+#      the training step's benchmark at the real shape (draft vocabulary 32,000, fp8 rows), then
+#      bf16 noise over the first prepared shard (transformers in bfloat16 against itself in
+#      float32, on the GPU).
+#   2. the epochs: TRAIN_S / (STEPS_PER_EPOCH x the benchmark's step seconds), rounded, 1 to 5.
+#   3. the whole workflow at those epochs: training, the greedy references and the replay on
+#      the CPU cores, the export.
+#   4. once the drafter is trained, on the otherwise idle GPU: the step with the code before
+#      the one-pass loss ($OLD_CODE: that commit's eaglenest/, benchmarks/train_throughput.py
+#      and config/schema.yaml, e.g. `git archive 7249e9c eaglenest benchmarks/train_throughput.py
+#      config/schema.yaml | tar -x -C .bench-old`) and with this checkout's, one after the
+#      other; a profile of the step's operators; the step with train.compile.
 #   OLD_CODE=.bench-old TRAIN_S=780 bash benchmarks/h200_run7.sh   (logs/h200/: progress.log,
 #                                    times.tsv, one log per step, bench/*.json, DONE at the end)
 # Expects, carried in: resources/ (the GGUF, eval sets), results/h200-smollm2/data/ (the
@@ -37,10 +39,6 @@ DATA=$!
 
 timed bench-step timeout 240 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --steps 9 --warmup 3 \
   --out $BENCH/train_throughput_h200_smollm2_v32k.json
-if [ -n "$OLD_CODE" ]; then
-  timed bench-step-old timeout 240 python3 "$OLD_CODE/benchmarks/train_throughput.py" "${SHAPE[@]}" --steps 9 \
-    --warmup 3 --out $BENCH/train_throughput_h200_smollm2_v32k_before.json
-fi
 shard=$(ls $RUN_DIR/prepared/*/shard-00000.safetensors 2>/dev/null | head -1)
 if [ -n "$shard" ]; then
   timed noise-gpu timeout 300 python3 benchmarks/sglang_h200.py noise --prepared "$shard" \
@@ -58,7 +56,7 @@ except Exception:
     print(0.45)  # the sixth run's real step
 EOF
 )
-epochs=$(python3 -c "import math; print(max(1, min(5, math.floor($TRAIN_S / ($STEPS_PER_EPOCH * $step_s)))))")
+epochs=$(python3 -c "print(max(1, min(5, round($TRAIN_S / ($STEPS_PER_EPOCH * $step_s)))))")
 printf 'train:\n  epochs: %s\n  val_every: 150\n' "$epochs" >logs/h200/epochs.yaml
 echo "$(stamp) step ${step_s}s -> epochs: $epochs" >>logs/h200/progress.log
 
@@ -69,11 +67,19 @@ wait_for() { # file, seconds: until the file exists
   for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
   return 1
 }
-if wait_for "$RUN_DIR/export/export_report.json" 2400; then
+# The replay jobs come before the export in Snakemake's order: wait for the trained drafter.
+if wait_for "$RUN_DIR/train/drafter/config.json" 2400; then
+  # The step before and after the one-pass loss, one after the other on the same idle GPU.
+  if [ -n "$OLD_CODE" ]; then
+    timed bench-step-before timeout 200 python3 "$OLD_CODE/benchmarks/train_throughput.py" "${SHAPE[@]}" --steps 7 \
+      --warmup 2 --out $BENCH/train_throughput_h200_smollm2_v32k_before.json
+  fi
+  timed bench-step-after timeout 200 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --steps 7 --warmup 2 \
+    --out $BENCH/train_throughput_h200_smollm2_v32k_after2.json
+  timed bench-profile timeout 200 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --profile --steps 7 --warmup 2 \
+    --out $BENCH/train_throughput_h200_smollm2_v32k_profile.json
   timed bench-compile timeout 300 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --compile --ceiling --steps 9 \
     --warmup 4 --out $BENCH/train_throughput_h200_smollm2_v32k_compile.json
-  timed bench-profile timeout 200 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --profile --steps 5 --warmup 2 \
-    --out $BENCH/train_throughput_h200_smollm2_v32k_profile.json
 fi
 wait $PIPELINE
 touch logs/h200/DONE

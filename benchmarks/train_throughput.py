@@ -212,21 +212,20 @@ def profiled(enabled: bool, device: torch.device):
 
 
 def profile_table(profile, rows: int = 30) -> list[dict]:
-    """The operators that took the most device time (CPU time on a CPU run), by self time:
-    name, calls, milliseconds, share of the total."""
+    """The operators that took the most time, by self time: on a GPU only what ran on the
+    device (kernels and copies), on a CPU the CPU time; name, calls, milliseconds, share."""
     events = profile.key_averages()
 
-    def self_us(event):
-        for name in ("self_device_time_total", "self_cuda_time_total"):
-            value = getattr(event, name, 0) or 0
-            if value:
-                return value
-        return event.self_cpu_time_total
+    def device_us(event):
+        return max((getattr(event, name, 0) or 0) for name in ("self_device_time_total", "self_cuda_time_total"))
 
-    total = sum(self_us(e) for e in events) or 1
-    ranked = sorted(events, key=self_us, reverse=True)[:rows]
-    return [{"op": e.key, "calls": e.count, "ms": round(self_us(e) / 1e3, 3), "share": round(self_us(e) / total, 4)}
-            for e in ranked]
+    if any(device_us(e) for e in events):
+        timed = [(e, device_us(e)) for e in events if device_us(e) > 0]
+    else:
+        timed = [(e, e.self_cpu_time_total) for e in events]
+    total = sum(us for _, us in timed) or 1
+    ranked = sorted(timed, key=lambda pair: pair[1], reverse=True)[:rows]
+    return [{"op": e.key, "calls": e.count, "ms": round(us / 1e3, 3), "share": round(us / total, 4)} for e, us in ranked]
 
 
 def shape_of(name: str, args) -> dict:
