@@ -4,7 +4,7 @@ For each target shape (random weights built from a config, so nothing is downloa
 
 (a) forward only: the base model over the same packed rows, no capture, no copies;
 (b) our extraction end to end: prepared shard file in, published (fsynced) hidden shard
-    file out through eaglenest.extract.extract_shard, bf16 and fp8 storage, then a deep
+    file out through eaglenest.stages.extract.extract_shard, bf16 and fp8 storage, then a deep
     verification (untimed); plus the simple padded path for comparison;
 (c) the naive path: ``output_hidden_states=True`` on padded length buckets with an
     attention mask and a plain ``.cpu()`` copy, as per-sample dump scripts do it;
@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-from eaglenest import extract, shards, target_runtime
-from eaglenest import layer_ids as layer_id_convention
+from eaglenest.stages import extract
+from eaglenest.formats import shards
+from eaglenest.target import runtime as target_runtime
+from eaglenest.target import layer_ids as layer_id_convention
 
 HERE = Path(__file__).resolve().parent
 LENGTHS_FILE = HERE / "sharegpt_token_counts.json"
@@ -61,7 +63,7 @@ SHAPES = {
 
 def make_lengths(count: int) -> None:
     """Token counts of the first ``count`` valid ShareGPT conversations (SmolLM2 template)."""
-    from eaglenest import ingest, prepare
+    from eaglenest.stages import ingest, prepare
 
     root = HERE.parent
     tokenizer = prepare.load_tokenizer(root / "resources/models/SmolLM2-135M-Instruct")
@@ -77,7 +79,7 @@ def make_lengths(count: int) -> None:
             break
     note = (
         f"token counts of the first {len(counts)} valid conversations of ShareGPT_V3_unfiltered_cleaned_split.json "
-        "(normalised as eaglenest.ingest does), rendered with SmolLM2-135M-Instruct's chat template, untruncated"
+        "(normalised as eaglenest.stages.ingest does), rendered with SmolLM2-135M-Instruct's chat template, untruncated"
     )
     LENGTHS_FILE.write_text(json.dumps({"note": note, "token_counts": counts}) + "\n")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The seventh real-scale run of docs/results.md on one H200 node (16 CPU cores, 1 GPU): run 5's
 # data, split, draft vocabulary, references and shape (8 rows of 4,096 tokens), trained with the
-# one-pass loss (eaglenest/draft_loss.py) for as many epochs as fit $TRAIN_S seconds of steps.
+# one-pass loss (eaglenest/stages/draft_loss.py) for as many epochs as fit $TRAIN_S seconds of steps.
 #   1. convert the GGUF; then, while prepare and extract run (the data phase, --until consolidate):
 #      the training step's benchmark at the real shape (draft vocabulary 32,000, fp8 rows), then
 #      bf16 noise over the first prepared shard (transformers in bfloat16 against itself in

@@ -2,7 +2,7 @@
 
     python benchmarks/recon_speed.py --shards 10000 --out benchmarks/results/recon_speed.json
 
-Builds a run with N small hidden shards (real headers written by eaglenest.shards, a few
+Builds a run with N small hidden shards (real headers written by eaglenest.formats.shards, a few
 tokens each), then times the whole command in a fresh process, three times, and prints the
 table. Goal: under 2 s for 10,000 shards.
 """
@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def build(workdir: Path, shards_count: int) -> Path:
-    from eaglenest import plan, shards
+    from eaglenest import plan
+    from eaglenest.formats import shards
 
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["run"] = "recon-speed"

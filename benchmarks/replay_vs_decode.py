@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from eaglenest import evaluate, speculate
-from eaglenest.prepare import prompt_ids
+from eaglenest.stages import evaluate
+from eaglenest.model import speculate
+from eaglenest.stages.prepare import prompt_ids
 
 TARGET = "resources/models/SmolLM2-135M-Instruct"
 PROMPTS = {"mt_bench": "resources/eval/mt_bench_question.jsonl", "humaneval": "resources/eval/HumanEval.jsonl.gz"}

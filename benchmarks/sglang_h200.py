@@ -3,7 +3,7 @@
 Each subcommand writes one JSON part (``--out``); the shell script runs them, records
 failures and merges the parts into results.json (``merge``).
 
-    config     launcher config for the patched server (eaglenest.sglang_launch --configfile)
+    config     launcher config for the patched server (eaglenest.sglang.launch --configfile)
     extract    one prepared shard through the server (sglang backend) and through
                transformers; per-tensor comparison, consolidate-level check, tokens/s
     refuse     the client must refuse a server at --url (SGLang without the plugin)
@@ -86,7 +86,7 @@ def compare_tensors(reference, candidate) -> dict:
 
 
 def shard_comparison(reference_path: str, candidate_path: str, prepared_path: str) -> dict:
-    from eaglenest import shards
+    from eaglenest.formats import shards
 
     reference, candidate = shards.ShardReader.open(reference_path), shards.ShardReader.open(candidate_path)
     prepared = shards.ShardReader.open(prepared_path)
@@ -118,7 +118,7 @@ def shard_comparison(reference_path: str, candidate_path: str, prepared_path: st
 
 def consolidate_check(hidden_path: str, prepared_path: str, target_name: str, layer_ids: list[int], dtype: str, vocab_size: int, work: Path) -> dict:
     """The consolidate stage on this one shard: header, checksums, finite values, prepared agreement."""
-    from eaglenest import consolidate
+    from eaglenest.stages import consolidate
 
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -141,8 +141,10 @@ def cmd_config(options) -> int:
 
 
 def cmd_extract(options) -> int:
-    from eaglenest import extract, shards, sglang_client
-    from eaglenest import layer_ids as layer_id_convention
+    from eaglenest.stages import extract
+    from eaglenest.formats import shards
+    from eaglenest.sglang import client as sglang_client
+    from eaglenest.target import layer_ids as layer_id_convention
 
     hf = target_config(options.target_dir)
     layer_ids = layer_id_convention.resolve("default", hf["num_hidden_layers"])
@@ -184,7 +186,7 @@ def cmd_extract(options) -> int:
 
 
 def cmd_refuse(options) -> int:
-    from eaglenest import sglang_client
+    from eaglenest.sglang import client as sglang_client
 
     part = {"url": options.url}
     try:
@@ -197,11 +199,11 @@ def cmd_refuse(options) -> int:
 
 
 def mt_bench_prompt_ids(target_dir: str, questions: str, count: int) -> list[dict]:
-    """The evaluator's prompts (eaglenest.evaluate.read_mt_bench order, first turn) as token ids."""
+    """The evaluator's prompts (eaglenest.stages.evaluate.read_mt_bench order, first turn) as token ids."""
     from transformers import AutoTokenizer
 
-    from eaglenest.evaluate import read_mt_bench
-    from eaglenest.prepare import prompt_ids
+    from eaglenest.stages.evaluate import read_mt_bench
+    from eaglenest.stages.prepare import prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return [{"id": p["id"], "input_ids": prompt_ids(tokenizer, p["messages"])} for p in read_mt_bench(questions)[:count]]
@@ -297,8 +299,9 @@ def cmd_noise(options) -> int:
     ``compare_tensors`` reports it, and the cosine at each chosen row."""
     import torch
 
-    from eaglenest import shards, target_runtime
-    from eaglenest import layer_ids as layer_id_convention
+    from eaglenest.formats import shards
+    from eaglenest.target import runtime as target_runtime
+    from eaglenest.target import layer_ids as layer_id_convention
 
     torch.set_num_threads(options.threads)
     hf = target_config(options.target_dir)

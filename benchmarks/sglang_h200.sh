@@ -139,7 +139,7 @@ if has_phase extract; then
     run_step patched-config "$PY" benchmarks/sglang_h200.py config --out "$OUT/patched-config.yaml" --target-dir "$TARGET_DIR" \
         --target-name "$TARGET_NAME" --url "$PATCHED_URL" --spool-dir "$SPOOL" -- \
         --mem-fraction-static "$MEM_FRACTION" "${COMMON_FLAGS[@]}"
-    start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang_launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
+    start_server patched 30010 "${SGL_ENV[@]}" "$PY" -m eaglenest.sglang.launch --configfile "$OUT/patched-config.yaml" --state-dir "$OUT/patched"
     if wait_ready patched "$PATCHED_URL" /eaglenest/info; then
         # The client and the transformers backend run on the node's own transformers (not $SITE's).
         run_step extract "$PY" benchmarks/sglang_h200.py extract --out "$OUT/parts/extract.json" --target-dir "$TARGET_DIR" \

@@ -9,7 +9,7 @@ of each later run from the first is resampled over the same prompts together (pa
 removes the prompt-to-prompt spread that both runs share.
 
 A job whose chunks did not all run (no metrics.json) is read from the chunks it has, merged
-with eaglenest.evaluate.metrics_from_parts; the row then says how many chunks and prompts it
+with eaglenest.stages.evaluate.metrics_from_parts; the row then says how many chunks and prompts it
 covers, and the paired differences use the prompts that every run has.
 """
 import json
@@ -30,7 +30,7 @@ def read_job(job_dir: Path) -> dict | None:
     parts = sorted((json.loads(p.read_text()) for p in job_dir.glob("chunks/*.json")), key=lambda part: part["chunk"][0])
     if not parts:
         return None
-    from eaglenest.speculate import acceptance_stats
+    from eaglenest.model.speculate import acceptance_stats
 
     # metrics_from_parts refuses a job with chunks missing (right for the workflow); here the
     # table says which chunks it read.

@@ -1,7 +1,7 @@
-"""Drafter training throughput and MFU: the real training loop (eaglenest.train.train) on random data.
+"""Drafter training throughput and MFU: the real training loop (eaglenest.stages.train.train) on random data.
 
 For each shape it writes a random-weight target (config.json + model.safetensors holding only
-the tied embedding/head and the final norm), random hidden shards through eaglenest.shards,
+the tied embedding/head and the final norm), random hidden shards through eaglenest.formats.shards,
 consolidates them, and trains for a few steps with the real loader, loss and optimizer.
 No model files are needed, so it runs on a machine without any.
 
@@ -40,7 +40,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eaglenest import consolidate, drafter, shards, train  # noqa: E402
+from eaglenest.stages import consolidate, train  # noqa: E402
+from eaglenest.model import drafter
+from eaglenest.formats import shards
 
 SHAPES = {
     # SmolLM2-135M-Instruct: Llama, hidden 576, 9 heads / 3 kv heads, MLP 1536, vocab 49152.
@@ -145,7 +147,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     # Random ids would give a random draft vocab; consolidate counts them, then we keep ours.
     consolidate.consolidate(hidden_paths, prepared_paths, out / "index.json", out / "draft_vocab.safetensors",
                             out / "split.json", vocab_size, shape["draft_vocab"], expect, val_fraction=0.0)
-    from eaglenest import vocab
+    from eaglenest.formats import vocab
 
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
@@ -315,7 +317,7 @@ def bench_ceiling(name: str, args, device: torch.device) -> dict:
 def check_backends(device: torch.device) -> dict:
     """FlexAttention (compiled, on the GPU) against the dense path, float32: every step's
     logits and every gradient, on packed rows of uneven samples."""
-    from eaglenest import train as train_lib
+    from eaglenest.stages import train as train_lib
 
     shape = SHAPES["smollm2"]
     config = drafter_config(shape)

@@ -1,8 +1,18 @@
 """eaglenest: a reproducible Snakemake workflow that trains EAGLE-3 drafters.
 
-Stages live in one module each and talk through files with documented formats
-(docs/formats.md): ingest -> prepare -> extract -> consolidate -> train -> export
--> evaluate. `shards` is the only module that reads or writes shard files.
+The package follows the pipeline (docs/formats.md has each file it writes):
+
+- ``stages/``: one module per workflow stage, ingest -> regenerate -> prepare -> extract ->
+  consolidate -> train -> export -> evaluate; ``shard_driver`` is the per-shard loop both
+  extraction backends share, ``loader`` and ``draft_loss`` are training's data and loss.
+- ``formats/``: shards and their headers, atomic writes, the draft vocabulary. ``shards`` is
+  the only module that reads or writes shard files.
+- ``target/``: the target model at run time (loading, aux capture, batching) and layer ids.
+- ``model/``: the EAGLE-3 drafter and speculative decoding with it.
+- ``sglang/``: the SGLang backend: client, server launcher, in-server plugin.
+- ``ops/``: operating a node: recon, GPU slots, assets, job logs.
+- top level: ``settings`` (the schema's defaults), ``layout`` (the results layout), ``plan``
+  (sharding and disk estimates for the workflow), ``cli``.
 """
 
 __version__ = "0.1.0"

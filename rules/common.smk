@@ -6,7 +6,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 from eaglenest import layout, plan, settings
-from eaglenest.drafting import Drafting
+from eaglenest.model.drafting import Drafting
 
 validate(config, schema="../config/schema.yaml")
 

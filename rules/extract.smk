@@ -66,6 +66,6 @@ rule sglang_server:
     shell:
         "touch {output:q} && "
         "PYTHONPATH={params.repo:q}${{PYTHONPATH:+:$PYTHONPATH}} "
-        "exec {params.python:q} -m eaglenest.sglang_launch --service-file {output:q} "
+        "exec {params.python:q} -m eaglenest.sglang.launch --service-file {output:q} "
         "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "
         "> {log.launcher:q} 2>&1"

@@ -1,4 +1,4 @@
-# Train the EAGLE-3 drafter on the consolidated hidden states (eaglenest.train).
+# Train the EAGLE-3 drafter on the consolidated hidden states (eaglenest.stages.train).
 # params hold what decides the weights; speed and bookkeeping knobs (device, threads,
 # checkpoint and log intervals) are read from the config by the script, so changing them
 # plans nothing. Checkpoints live beside the output, not in it: a killed or failed job
@@ -35,7 +35,7 @@ rule train_drafter:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
-        # eaglenest.train.OBJECTIVE: a new training convention retrains the drafter
+        # eaglenest.stages.train.OBJECTIVE: a new training convention retrains the drafter
         objective="ttt-rotary-t+j",
         # the settings that decide the weights (eaglenest.settings.TRAIN_CONTENT_KEYS)
         hyper={key: config["train"][key] for key in settings.TRAIN_CONTENT_KEYS},

@@ -1,7 +1,8 @@
 """Verify shards, write the index, draft vocab and split (rule consolidate)."""
 import logging
 
-from eaglenest import consolidate, joblog
+from eaglenest.stages import consolidate
+from eaglenest.ops import joblog
 
 joblog.to_file(snakemake.log[0])
 index = consolidate.consolidate(

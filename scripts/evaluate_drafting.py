@@ -1,6 +1,7 @@
 """Speculative decoding of one chunk of an eval set's prompts with one drafting configuration
 (rule evaluate_drafting)."""
-from eaglenest import evaluate, joblog
+from eaglenest.stages import evaluate
+from eaglenest.ops import joblog
 
 joblog.to_file(snakemake.log[0])
 evaluate.evaluate_drafting(

@@ -1,7 +1,8 @@
 """Write the SGLang and vLLM exports of the trained drafter (rule export_drafter)."""
 import logging
 
-from eaglenest import export, joblog
+from eaglenest.stages import export
+from eaglenest.ops import joblog
 
 joblog.to_file(snakemake.log[0])
 report = export.export_drafter(

@@ -14,11 +14,13 @@ for variable, value in list(os.environ.items()):
 
 import torch  # noqa: E402  (after the thread variables are fixed)
 
-from eaglenest import extract, gpu_slots, joblog, sglang_client, sglang_launch
+from eaglenest.stages import extract
+from eaglenest.ops import gpu_slots, joblog
+from eaglenest.sglang import client as sglang_client, launch as sglang_launch
 
 stream = joblog.to_file(snakemake.log[0])
 # Which GPUs this job was handed (by Slurm or the local slot pool) belongs in its log.
-logging.getLogger("eaglenest.extract").info(
+logging.getLogger("eaglenest.stages.extract").info(
     "CUDA_VISIBLE_DEVICES=%s SLURM_JOB_ID=%s", os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SLURM_JOB_ID")
 )
 settings = snakemake.config["extract"]
@@ -44,7 +46,7 @@ if settings["backend"] == "sglang":
         # Its block's server, started by Snakemake beside this job: wait until it is loaded.
         record = sglang_launch.wait_for_service(snakemake.input.server, server["startup_timeout_s"])
         url = record["url"]
-        logging.getLogger("eaglenest.extract").info("block server ready at %s (pid %s)", url, record["server_pid"])
+        logging.getLogger("eaglenest.stages.extract").info("block server ready at %s (pid %s)", url, record["server_pid"])
     sglang_client.extract_shard_via_server(
         snakemake.input.prepared,
         snakemake.output[0],

@@ -1,7 +1,8 @@
 """Normalise conversation sources and count bad records (rule ingest)."""
 import logging
 
-from eaglenest import ingest, joblog
+from eaglenest.stages import ingest
+from eaglenest.ops import joblog
 
 joblog.to_file(snakemake.log[0])
 report = ingest.ingest(

@@ -6,7 +6,9 @@ every prepare job again.
 """
 import logging
 
-from eaglenest import joblog, plan, prepare
+from eaglenest import plan
+from eaglenest.ops import joblog
+from eaglenest.stages import prepare
 
 joblog.to_file(snakemake.log[0])
 stats = prepare.prepare_shard(

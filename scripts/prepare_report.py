@@ -1,7 +1,8 @@
 """Sum the prepared shards' headers into the stage's report (rule prepare_report)."""
 import logging
 
-from eaglenest import joblog, prepare
+from eaglenest.ops import joblog
+from eaglenest.stages import prepare
 
 joblog.to_file(snakemake.log[0])
 report = prepare.summarize(list(snakemake.input), snakemake.output[0])

@@ -6,7 +6,8 @@ sizes, URL and concurrency come from the config and only change speed.
 import contextlib
 import logging
 
-from eaglenest import gpu_slots, joblog, regenerate
+from eaglenest.ops import gpu_slots, joblog
+from eaglenest.stages import regenerate
 
 joblog.to_file(snakemake.log[0])
 section = snakemake.config["regenerate"]

@@ -1,7 +1,8 @@
 """Sum the shard reports of the regeneration stage (rule regenerate_report)."""
 import logging
 
-from eaglenest import joblog, regenerate
+from eaglenest.ops import joblog
+from eaglenest.stages import regenerate
 
 joblog.to_file(snakemake.log[0])
 summary = regenerate.summarize(list(snakemake.input), snakemake.output[0])

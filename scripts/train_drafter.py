@@ -2,7 +2,8 @@
 
 Content-defining values come from params; speed and bookkeeping knobs from the config.
 """
-from eaglenest import joblog, train
+from eaglenest.ops import joblog
+from eaglenest.stages import train
 from eaglenest.settings import TRAIN_CONTENT_KEYS, TRAIN_PLACEMENT_KEYS
 
 stream = joblog.to_file(snakemake.log[0])

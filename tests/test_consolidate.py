@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from eaglenest import consolidate, shards, vocab
+from eaglenest.stages import consolidate
+from eaglenest.formats import shards, vocab
 
 
 def test_draft_vocab_takes_the_most_frequent_tokens_in_ascending_id_order():

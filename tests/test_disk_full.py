@@ -5,7 +5,8 @@ import subprocess
 
 import pytest
 
-from eaglenest import atomic, extract, shard_driver, shards
+from eaglenest.formats import atomic, shards
+from eaglenest.stages import extract, shard_driver
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest import drafter, vocab
+from eaglenest.model import drafter
+from eaglenest.formats import vocab
 
 
 def tiny_config(**overrides) -> drafter.DrafterConfig:

@@ -5,7 +5,7 @@ import warnings
 import pytest
 from transformers import DeepseekV3Config
 
-from eaglenest import drafter
+from eaglenest.model import drafter
 
 
 def tiny_deepseek_v3() -> dict:

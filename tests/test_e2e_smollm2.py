@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from conftest import DEFAULT_CONFIG, REPO, planned_jobs, run_snakemake
-from eaglenest import shards
+from eaglenest.formats import shards
 
 pytestmark = pytest.mark.slow
 

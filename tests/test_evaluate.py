@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
-from eaglenest import evaluate
+from eaglenest.stages import evaluate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -95,8 +95,8 @@ def test_replayed_chunks_have_a_tau_but_no_speed_or_lossless_claim():
 
 def test_an_export_is_evaluated_with_the_weights_it_holds(tmp_path, tiny_llama):
     """evaluate.drafter may name an SGLang export (no embedding): the target lends its own."""
-    from eaglenest import drafter as drafter_lib
-    from eaglenest import export
+    from eaglenest.model import drafter as drafter_lib
+    from eaglenest.stages import export
 
     vocab = {"d2t": torch.zeros(64, dtype=torch.int64), "t2d": torch.arange(320) < 64}
     trained = drafter_lib.build_drafter(tiny_llama, vocab, [1, 3, 4])
@@ -161,7 +161,7 @@ def test_summary_writes_the_table_plots_and_the_headline_of_the_first_configurat
 @pytest.fixture(scope="module")
 def evaluated_workdir(tmp_path_factory, tiny_llama):
     """The evaluation rules on the tiny target with an untrained drafter, real eval sets."""
-    from eaglenest import drafter as drafter_lib
+    from eaglenest.model import drafter as drafter_lib
 
     workdir = tmp_path_factory.mktemp("evaluate")
     (REPO / "resources").mkdir(exist_ok=True)

@@ -22,8 +22,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglenest import export, vocab
-from eaglenest.drafter import Eagle3Drafter, build_drafter
+from eaglenest.stages import export
+from eaglenest.formats import vocab
+from eaglenest.model.drafter import Eagle3Drafter, build_drafter
 
 SGLANG = "sglang==0.5.23"
 VLLM = "vllm==0.33.0"

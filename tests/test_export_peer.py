@@ -6,7 +6,7 @@ Eagle3DraftModel.from_pretrained loads our export, with the verifier (our tiny t
 from a local directory and the hub switched off, and must produce our draft logits for
 every training-time-test step on the same hidden states and ids.
 
-Our side runs eaglenest's own training unroll (eaglenest.train.TTTObjective.unroll), with no
+Our side runs eaglenest's own training unroll (eaglenest.stages.train.TTTObjective.unroll), with no
 adjustment: both rotate TTT step j at position t + j.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest import export, train
-from eaglenest.drafter import Eagle3Drafter
+from eaglenest.stages import export, train
+from eaglenest.model.drafter import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parents[1]
 TTT_STEPS = 3

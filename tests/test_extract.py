@@ -2,8 +2,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, prepare, shards, target_runtime
-from eaglenest import layer_ids as layer_id_convention
+from eaglenest import plan
+from eaglenest.stages import extract, prepare
+from eaglenest.formats import shards
+from eaglenest.target import runtime as target_runtime
+from eaglenest.target import layer_ids as layer_id_convention
 
 
 def lengths_and_ids(vocab, lengths, seed=0):

@@ -9,8 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from eaglenest import extract, plan, shard_driver, shards, target_runtime
-from eaglenest import layer_ids as layer_id_convention
+from eaglenest import plan
+from eaglenest.stages import extract, shard_driver
+from eaglenest.formats import shards
+from eaglenest.target import runtime as target_runtime
+from eaglenest.target import layer_ids as layer_id_convention
 from support import tiny
 
 ROOT = Path(__file__).resolve().parents[1]

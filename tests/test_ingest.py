@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eaglenest import ingest
+from eaglenest.stages import ingest
 
 
 def good(i, first="human"):

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from eaglenest import prepare, shards
+from eaglenest.stages import prepare
+from eaglenest.formats import shards
 from support.tiny import make_tokenizer
 
 CONVERSATION = [

@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from conftest import planned_jobs, run_snakemake, snakemake_command, wait_until
-from eaglenest import atomic, cli, recon
+from eaglenest import cli
+from eaglenest.formats import atomic
+from eaglenest.ops import recon
 
 NO_GPU = lambda args: (_ for _ in ()).throw(OSError("no nvidia-smi"))  # noqa: E731  (a machine without GPUs)
 
@@ -65,7 +67,7 @@ def killed_writer(final: Path) -> Path:
     """Leave a real partial file: an atomic writer SIGKILLed halfway through its write."""
     code = (
         "import sys, time\n"
-        "from eaglenest import atomic\n"
+        "from eaglenest.formats import atomic\n"
         "def write(tmp):\n"
         "    with open(tmp, 'wb') as handle:\n"
         "        handle.write(b'\\0' * 4096); handle.flush(); print('writing', flush=True); time.sleep(60)\n"
@@ -169,7 +171,7 @@ def test_machine_without_nvidia_smi_says_so_and_goes_on():
         ("sglang::scheduler_TP3", "sglang"),
         ("/usr/bin/python3 /usr/local/bin/vllm serve /models/Kimi-K2.5 --tensor-parallel-size 8", "vllm"),
         ("VLLM::EngineCore", "vllm"),
-        ("torchrun --nproc-per-node 8 -m eaglenest.train --config results/kimi/train/config.json", "eaglenest-train"),
+        ("torchrun --nproc-per-node 8 -m eaglenest.stages.train --config results/kimi/train/config.json", "eaglenest-train"),
         ("python /work/.snakemake/scripts/tmpab12cd.train.py", "eaglenest-train"),
         ("python /work/.snakemake/scripts/tmpx9.extract_shard.py", "eaglenest-extract"),
         ("/usr/bin/python3 -m snakemake --cores all", "snakemake"),
@@ -257,7 +259,7 @@ def test_nothing_answering_on_the_configured_url_blocks(tmp_path):
     section = recon.check_servers(sglang_config(tmp_path), {}, listeners=[], server_url=f"http://127.0.0.1:{port}")
     assert section["status"] == recon.BLOCK and section["probe"]["kind"] == "nothing"
     assert "nothing answers" in section["summary"]
-    assert section["steps"][0]["command"] == "python -m eaglenest.sglang_launch"
+    assert section["steps"][0]["command"] == "python -m eaglenest.sglang.launch"
 
 
 def test_no_server_is_expected_between_runs_when_the_workflow_starts_one_per_block(tmp_path):
@@ -267,7 +269,8 @@ def test_no_server_is_expected_between_runs_when_the_workflow_starts_one_per_blo
 
 
 def test_patched_sglang_for_this_run_is_accepted_and_one_for_another_target_is_not(http_server, tmp_path):
-    from eaglenest import plan, sglang_patch
+    from eaglenest import plan
+    from eaglenest.sglang import patch as sglang_patch
 
     config = sglang_config(tmp_path)
     info = {"server": sglang_patch.SERVER_KIND, "patch_version": sglang_patch.PATCH_VERSION,

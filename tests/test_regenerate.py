@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglenest import ingest, plan, prepare, regenerate
+from eaglenest import plan
+from eaglenest.stages import ingest, prepare, regenerate
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until
 from test_sglang_protocol import start_standin
 

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from conftest import DEFAULT_CONFIG, REPO
-from eaglenest import layout, regenerate, settings, sglang_launch, sglang_patch
+from eaglenest import layout, settings
+from eaglenest.stages import regenerate
+from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch
 
 
 def schema_defaults(*path):
@@ -18,7 +20,7 @@ def schema_defaults(*path):
 
 
 def test_code_reads_its_defaults_from_the_schema():
-    from eaglenest import train
+    from eaglenest.stages import train
 
     assert train.DEFAULTS == schema_defaults("train")
     assert train.DEFAULTS["token_budget"] == 8192 and train.DEFAULTS["lr"] == 1e-4

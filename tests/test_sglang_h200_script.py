@@ -126,7 +126,7 @@ def test_compare_counts_verify_steps_as_the_replay_counts_cycles(tmp_path):
 
 
 def test_noise_step_measures_bf16_against_float32_on_the_chosen_rows(prepared_shard, tiny_llama, tmp_path):
-    from eaglenest import shards
+    from eaglenest.formats import shards
 
     counts = shards.ShardReader.open(prepared_shard).token_counts
     row = counts[0] + 2  # the third token of the second sample

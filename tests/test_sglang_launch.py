@@ -12,7 +12,9 @@ import torch
 import yaml
 
 from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
-from eaglenest import extract, shards, sglang_client, sglang_launch, sglang_patch
+from eaglenest.stages import extract
+from eaglenest.formats import shards
+from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
 from test_sglang_protocol import start_standin
 
 
@@ -26,7 +28,7 @@ def test_plugin_record_is_found_by_the_entry_point_loader_sglang_uses(tmp_path):
         "from importlib.metadata import entry_points; import json, os;"
         f"eps = entry_points(group={sglang_patch.PLUGIN_GROUP!r});"
         "fn = [ep for ep in eps][0].load();"
-        "from eaglenest import sglang_patch;"
+        "from eaglenest.sglang import patch as sglang_patch;"
         "print(json.dumps([[ep.name for ep in eps], fn is sglang_patch.register, sglang_patch.settings_from_env()]))"
     )
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path, check=True)

@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglenest import layer_ids, sglang_launch, sglang_patch
+from eaglenest.target import layer_ids
+from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch
 
 CACHE = Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "wheels"
 

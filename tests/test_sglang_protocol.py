@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglenest import extract, shard_driver, shards, sglang_client
-from eaglenest.sglang_launch import STANDIN_SERVER
+from eaglenest.stages import extract, shard_driver
+from eaglenest.formats import shards
+from eaglenest.sglang import client as sglang_client
+from eaglenest.sglang.launch import STANDIN_SERVER
 
 TARGET = "tiny-llama"
 LAYERS = [2, 3, 4]

@@ -23,7 +23,9 @@ from conftest import (
     REPO, SNAKEFILE, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config,
     wait_until,
 )
-from eaglenest import extract, sglang_client, sglang_launch, sglang_patch, shards
+from eaglenest.stages import extract
+from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
+from eaglenest.formats import shards
 from support.group_jobs import planned_group_jobs
 
 SHARDS = [f"{i:05d}" for i in range(4)]
@@ -245,7 +247,7 @@ def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]
     }
     service_file = tmp_path / "block-00000.json"
     command = [
-        sys.executable, "-m", "eaglenest.sglang_launch", "--service-file", str(service_file),
+        sys.executable, "-m", "eaglenest.sglang.launch", "--service-file", str(service_file),
         "--state-dir", str(tmp_path / "state"), "--config-json", json.dumps(config),
     ]
     log = open(tmp_path / "launcher.log", "w")

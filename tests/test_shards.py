@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eaglenest import shards
+from eaglenest.formats import shards
 
 
 def make_hidden_shard(tmp_path, name="shard-00000.safetensors", samples=3, hidden=8):
@@ -114,7 +114,7 @@ def test_finite_check_finds_fp8_nan_patterns_and_bf16_infinities_in_any_chunk():
 def test_a_starting_job_removes_only_its_own_stale_temps(tmp_path):
     """Shard jobs share a directory: one job's cleanup must not delete the file another
     job is writing at that moment (seen with 8 extraction jobs on one node)."""
-    from eaglenest import atomic
+    from eaglenest.formats import atomic
 
     mine = tmp_path / f"shard-00001.safetensors{atomic.TMP_MARKER}111"
     running = tmp_path / f"shard-00002.safetensors{atomic.TMP_MARKER}222"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake
-from eaglenest import drafter as drafter_lib
-from eaglenest import speculate
+from eaglenest.model import drafter as drafter_lib
+from eaglenest.model import speculate
 
 SMOLLM2 = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglenest import consolidate, draft_loss, loader, shards, train
+from eaglenest.stages import consolidate, draft_loss, loader, train
+from eaglenest.formats import shards
 
 LAYER_IDS = [1, 3, 4]
 EXPECT = {"target": "tiny-llama", "layer_ids": LAYER_IDS, "dtype": "bfloat16"}
@@ -123,8 +124,8 @@ def test_packed_batch_restarts_positions_and_pads_with_no_loss(tiny_run):
 def test_padded_steps_all_have_one_shape_and_the_padding_rows_change_nothing(tiny_run):
     """On CUDA every step is padded to token_budget x rows_per_step, the epoch's short last step
     too, so that the compiled step is compiled once; empty rows add no loss, hits or gradient."""
-    from eaglenest import drafter as drafter_lib
-    from eaglenest import vocab
+    from eaglenest.model import drafter as drafter_lib
+    from eaglenest.formats import vocab
 
     dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     stream = loader.StepStream(dataset, 64, 3, seed=0, epochs=2, pad_to_budget=True)
@@ -194,8 +195,8 @@ def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_load
 def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny_run):
     """train.recompute_steps: every TTT step's activations are recomputed in the backward pass
     (each step runs twice), on the cache as that step saw it: same losses, hits and gradients."""
-    from eaglenest import drafter as drafter_lib
-    from eaglenest import vocab
+    from eaglenest.model import drafter as drafter_lib
+    from eaglenest.formats import vocab
 
     dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
@@ -250,7 +251,7 @@ def test_positions_count_only_masked_in_vocab_tokens_of_the_same_sample():
 
 
 def test_target_head_never_builds_full_vocab_logits_for_more_than_a_chunk(tiny_run):
-    from eaglenest import vocab
+    from eaglenest.formats import vocab
 
     draft = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
     head = train.TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32, chunk_elements=320 * 4)
@@ -277,7 +278,7 @@ def test_training_lowers_the_loss_and_writes_the_drafter(tiny_run, tmp_path):
     checkpoints = sorted((tmp_path / "checkpoints").glob("step-*.pt"))
     assert len(checkpoints) == 2  # rotation kept the newest two
     # the last checkpoint is the final drafter (its embedding reloaded from the target)
-    from eaglenest.drafter import Eagle3Drafter
+    from eaglenest.model.drafter import Eagle3Drafter
 
     final = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     restored = Eagle3Drafter.from_checkpoint(checkpoints[-1]).state_dict()
@@ -292,7 +293,7 @@ def test_checkpoints_of_other_settings_are_refused(tiny_run, tmp_path):
 
 def run_worker(args: dict, args_file: Path, env=None) -> subprocess.Popen:
     args_file.write_text(json.dumps(args))
-    return subprocess.Popen([sys.executable, "-m", "eaglenest.train", str(args_file)],
+    return subprocess.Popen([sys.executable, "-m", "eaglenest.stages.train", str(args_file)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 

@@ -2,8 +2,8 @@
 the j true next tokens, exactly the logits the speculative decoder computes at depth j + 1 of a
 chain for the same context with the same tokens drafted.
 
-Both sides run their own code: eaglenest.train.TTTObjective.unroll (packed rows, shifted ids,
-rotary position t + j, the TTT attention of eaglenest.drafter) and eaglenest.speculate
+Both sides run their own code: eaglenest.stages.train.TTTObjective.unroll (packed rows, shifted ids,
+rotary position t + j, the TTT attention of eaglenest.model.drafter) and eaglenest.model.speculate
 (DrafterState's KV cache, build_draft_tree's positions and visibility). The chain is sampled at
 temperature 1, so its tokens are arbitrary drafts, and each depth's draft distribution q comes
 back in the tree; the training side is given those tokens as the true continuation.
@@ -12,7 +12,8 @@ back in the tree; the training side is given those tokens as the true continuati
 import pytest
 import torch
 
-from eaglenest import drafter, speculate, train
+from eaglenest.model import drafter, speculate
+from eaglenest.stages import train
 from test_drafter import tiny_drafter
 
 DEPTH = 5

@@ -17,7 +17,8 @@ import yaml
 from conftest import (
     REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until,
 )
-from eaglenest import atomic, prepare
+from eaglenest.formats import atomic
+from eaglenest.stages import prepare
 
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
 # The crash and corruption tests concern the data half; stopping there keeps them short.

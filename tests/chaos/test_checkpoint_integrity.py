@@ -11,7 +11,8 @@ import subprocess
 import pytest
 import torch
 
-from eaglenest import atomic, train
+from eaglenest.formats import atomic
+from eaglenest.stages import train
 
 
 def state(step: int, side: int = 8) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from eaglenest import atomic
+from eaglenest.formats import atomic
 
 from . import local_slurm
 from .profile_runs import (

@@ -50,8 +50,10 @@ from pathlib import Path
 
 import yaml
 
-from eaglenest import atomic, layout, plan, recon, shards
-from eaglenest.sglang_launch import STANDIN_SERVER
+from eaglenest import layout, plan
+from eaglenest.formats import atomic, shards
+from eaglenest.ops import recon
+from eaglenest.sglang.launch import STANDIN_SERVER
 
 REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script (python tests/support/chaos.py): find the support package
@@ -262,7 +264,7 @@ def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflig
 
 def bad_records_check(workdir: Path, rng: random.Random, examples: int) -> dict:
     """Generated conversations with every kind of malformed record: counts must match."""
-    from eaglenest import ingest
+    from eaglenest.stages import ingest
 
     makers = {
         "turn_missing_field": lambda i: {"id": f"b{i}", "conversations": [{"from": "human"}]},
@@ -365,7 +367,7 @@ def inject_checkpoint_disk_full(workflow: Workflow, tally: Tally, checkpoint_byt
     and fills the disk in the third (rotation removes the oldest only after the new one is in).
     The job must fail naming the file and the disk, leave no partial or unverifiable checkpoint,
     and after space is made resume from the last good checkpoint to the reference drafter."""
-    from eaglenest import train
+    from eaglenest.stages import train
 
     shutil.rmtree(workflow.results / "train", ignore_errors=True)  # train from step 0
     mount_point = checkpoint_dir(workflow)
@@ -409,7 +411,7 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
     """Corrupt the newest checkpoint of a job that was killed after writing it and before
     writing the drafter; the rerun must name it, resume from the one before it (only the steps
     after that are redone, the older file untouched) and end with the reference drafter."""
-    from eaglenest import train
+    from eaglenest.stages import train
 
     directory = checkpoint_dir(workflow)
     saved = train.checkpoint_paths(directory)
@@ -513,7 +515,7 @@ def inject_server_faults(reference: Workflow, workdir: Path, names: list[str], r
     fail saying what is wrong, leave no shard, no temp file and no spool file; then, with the
     fault removed (a healthy server), the rerun writes the shard bitwise equal to the
     transformers backend's (one sample per forward on both sides, as the server computes)."""
-    from eaglenest import extract
+    from eaglenest.stages import extract
 
     workflow = copy_finished_run(reference, workdir)
     config = yaml.safe_load(workflow.configfile.read_text())
@@ -640,7 +642,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
               checkpoint_disk_full: bool = True, checkpoint_corruptions: int = 1,
               server_fault_names: list[str] | None = None) -> dict:
     """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none."""
-    from eaglenest import train
+    from eaglenest.stages import train
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)

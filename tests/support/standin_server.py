@@ -3,10 +3,10 @@
 For machines without a GPU (a laptop, CI) and for the tests: it serves
 ``GET /eaglenest/info``, ``GET /health``, ``POST /generate`` and ``POST /v1/chat/completions``
 (for the regeneration stage) exactly as a server
-started by eaglenest.sglang_launch does — same request fields, same
+started by eaglenest.sglang.launch does — same request fields, same
 ``meta_info["eaglenest_spool"]`` descriptor, same spool files, written by the same
-function (eaglenest.sglang_patch.spool_prefill_rows) — but runs the target with
-transformers (eaglenest.target_runtime.capture_hidden_states, one sample per request), so its
+function (eaglenest.sglang.patch.spool_prefill_rows) — but runs the target with
+transformers (eaglenest.target.runtime.capture_hidden_states, one sample per request), so its
 tensors equal the transformers backend's.
 
 Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
@@ -32,8 +32,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eaglenest import layer_ids as layer_id_convention
-from eaglenest import sglang_patch
+from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.sglang import patch as sglang_patch
 
 
 class StandinModel:
@@ -42,7 +42,7 @@ class StandinModel:
     def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str):
         import torch
 
-        from eaglenest import target_runtime
+        from eaglenest.target import runtime as target_runtime
 
         self.model = target_runtime.load_target(model_path, "cpu", "float32")
         self.torch = torch
@@ -176,7 +176,7 @@ def make_handler(options, state: dict):
 
 
 def chat_generator(options):
-    from eaglenest.regenerate import Settings, TransformersBackend
+    from eaglenest.stages.regenerate import Settings, TransformersBackend
 
     return TransformersBackend(options.model, Settings.from_config({"device": "cpu", "retries": 0}))
 

@@ -1,0 +1,1 @@
+"""The EAGLE-3 drafter and speculative decoding with it."""

@@ -1,0 +1,1 @@
+"""Operating a node: recon, GPU slots, assets, job logs."""

@@ -1,0 +1,1 @@
+"""The SGLang backend: the extraction client, the server launcher and the in-server plugin."""

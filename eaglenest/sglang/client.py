@@ -1,0 +1,355 @@
+"""Extract, SGLang backend: one prepared shard -> one hidden shard through a patched server.
+
+The server (started by eaglenest.sglang.launch, or the stand-in for machines without a
+GPU) stays up across shards; each extract job is a client. Before sending anything the
+client asks the server who it is (``GET /eaglenest/info``) and refuses anything that is
+not the patched SGLang serving this target with these layers. Then it sends the
+shard's samples as token ids, prefill only (``max_new_tokens`` 1), ``concurrency`` at
+a time; the server writes each sample's hidden states to the spool directory and
+answers with a descriptor. The client checks every spooled file against what it sent
+(token ids, row counts, widths), hands the states to eaglenest.stages.shard_driver, and deletes
+the file; the driver stores and writes the shard exactly as for the transformers backend.
+
+Failures: a request that times out or finds no server is retried with exponential
+backoff; after ``max_consecutive_failures`` failed attempts in a row the job stops
+with a message naming the server. A protocol error (wrong rows, wrong ids, no
+descriptor) is not retried. Either way nothing is written: the shard appears
+atomically at the end or not at all, and Snakemake's ``retries`` can rerun the job.
+A timed-out request still ends on the server, whose late answer spools a file nobody
+reads; the shard's next job (and this one, once done) removes the shard's spool files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from eaglenest.stages import shard_driver
+from eaglenest.formats import shards
+from eaglenest.sglang import patch as sglang_patch
+from eaglenest.target import layer_ids as layer_id_convention
+
+log = logging.getLogger(__name__)
+
+
+class SglangServerError(RuntimeError):
+    """The server is unreachable, not ours, or answered something we cannot use."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+def _get_json(url: str, timeout: float):
+    """(status, parsed JSON or None); raises URLError/timeouts for no answer at all."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        try:
+            body = json.loads(err.read() or b"null")
+        except ValueError:
+            body = None
+        return err.code, body
+
+
+def identify_server(url: str, timeout: float = 10.0) -> dict:
+    """``/eaglenest/info`` of the server at ``url``, or SglangServerError saying what is there instead."""
+    url = url.rstrip("/")
+    try:
+        status, info = _get_json(url + sglang_patch.INFO_ROUTE, timeout)
+    except (urllib.error.URLError, OSError) as err:
+        raise SglangServerError(
+            f"no server answers at {url} ({getattr(err, 'reason', err)}). Start it on the node with "
+            f"`python -m eaglenest.sglang.launch --configfile <config>` (docs/sglang.md), then rerun."
+        ) from None
+    if status == 200 and isinstance(info, dict) and info.get("server") == sglang_patch.SERVER_KIND:
+        return info
+    # Something else holds the port: say what, so the user can stop it.
+    found = "an HTTP server that is not eaglenest's patched SGLang"
+    try:
+        models_status, models = _get_json(url + "/v1/models", timeout)
+        owners = {m.get("owned_by") for m in (models or {}).get("data", []) if isinstance(m, dict)}
+        if models_status == 200 and "vllm" in owners:
+            names = [m.get("id") for m in models["data"]]
+            found = f"a vLLM OpenAI server serving {names}"
+        else:
+            model_status, model_info = _get_json(url + "/get_model_info", timeout)
+            if model_status == 200 and isinstance(model_info, dict) and "model_path" in model_info:
+                found = f"an SGLang server without the eaglenest patch serving {model_info['model_path']}"
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+    raise SglangServerError(
+        f"{url} is {found} (GET {sglang_patch.INFO_ROUTE} answered {status}). Refusing to extract from it. "
+        f"Stop that server (e.g. `nvidia-smi` shows its GPU memory; kill its process), then start ours with "
+        f"`python -m eaglenest.sglang.launch --configfile <config>`."
+    )
+
+
+def check_server(url: str, target_name: str, layer_ids: list[int], hidden_size: int, timeout: float = 10.0) -> dict:
+    """Refuse a patched server that serves another target, other layers or another patch version."""
+    info = identify_server(url, timeout)
+    expected = {
+        "patch_version": sglang_patch.PATCH_VERSION,
+        "target": target_name,
+        "layer_ids": list(layer_ids),  # HF convention on both sides
+        "hidden_size": hidden_size,
+    }
+    wrong = {key: (info.get(key), value) for key, value in expected.items() if info.get(key) != value}
+    if wrong:
+        details = ", ".join(f"{key}: server has {got!r}, config wants {want!r}" for key, (got, want) in wrong.items())
+        raise SglangServerError(
+            f"the patched SGLang server at {url} does not match this run ({details}). Restart it with "
+            f"`python -m eaglenest.sglang.launch --configfile <this run's config>`."
+        )
+    return info
+
+
+class _ShardRequests:
+    """Sends one shard's samples and gathers their spooled tensors."""
+
+    def __init__(self, url, spool_dir, shard_tag, layer_ids, hidden_size, timeout_s, retries, backoff_s, max_consecutive_failures):
+        self.url = url.rstrip("/")
+        self.spool_dir = Path(spool_dir).resolve()
+        self.shard_tag = shard_tag
+        self.widths = (len(layer_ids) * hidden_size, hidden_size)
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_consecutive_failures = max_consecutive_failures
+        self.lock = threading.Lock()
+        self.consecutive_failures = 0
+        self.stop = threading.Event()
+        self.first_error: SglangServerError | None = None  # the cause, not the "stopped" echoes
+
+    def _post(self, payload: dict) -> dict:
+        request = urllib.request.Request(
+            self.url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            body = err.read()[:500].decode(errors="replace")
+            if err.code >= 500 or err.code == 429:
+                raise _Retryable(f"HTTP {err.code}: {body}") from None
+            raise SglangServerError(f"{self.url}/generate refused the request: HTTP {err.code}: {body}") from None
+        except (urllib.error.URLError, OSError, ValueError) as err:  # refused, reset, timed out, cut short
+            raise _Retryable(f"{type(err).__name__}: {getattr(err, 'reason', err)}") from None
+
+    def _record(self, failed: bool, reason: str = "") -> None:
+        with self.lock:
+            self.consecutive_failures = self.consecutive_failures + 1 if failed else 0
+            if failed and self.consecutive_failures >= self.max_consecutive_failures:
+                self.stop.set()
+                raise SglangServerError(
+                    f"SGLang server at {self.url} failed {self.consecutive_failures} requests in a row "
+                    f"(last: {reason}); giving up on this shard, nothing was written. Check the server "
+                    "(its log, `curl {url}/health`), restart it if it died, then rerun: Snakemake's retries "
+                    "or a plain rerun extract only the missing shards.".replace("{url}", self.url)
+                )
+
+    def fetch(self, index: int, token_ids: list[int]):
+        """(aux [n, A*H], last [n, H]) of one sample, in the server's dtype."""
+        try:
+            return self._fetch(index, token_ids)
+        except SglangServerError as err:
+            with self.lock:
+                if self.first_error is None:
+                    self.first_error = err
+            self.stop.set()
+            raise
+
+    def _fetch(self, index: int, token_ids: list[int]):
+        for attempt in range(self.retries + 1):
+            if self.stop.is_set():
+                raise SglangServerError("stopped: another request of this shard failed")
+            rid = f"eaglenest-{self.shard_tag}-{index}-{uuid.uuid4().hex[:12]}"  # fresh per attempt
+            payload = {
+                "input_ids": token_ids,
+                "rid": rid,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "return_hidden_states": True,
+                "stream": False,
+            }
+            try:
+                response = self._post(payload)
+            except _Retryable as err:
+                self._record(True, f"sample {index}: {err}")
+                if attempt < self.retries:
+                    time.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise SglangServerError(
+                    f"SGLang server at {self.url}: sample {index} failed {self.retries + 1} times (last: {err}); "
+                    "nothing was written"
+                ) from None
+            self._record(False)
+            return self._collect(index, token_ids, rid, response)
+        raise AssertionError("unreachable")
+
+    def _collect(self, index: int, token_ids: list[int], rid: str, response: dict):
+        meta = response.get("meta_info") or {}
+        descriptors = meta.get(sglang_patch.SPOOL_KEY)
+        if not descriptors:
+            raise SglangServerError(
+                f"{self.url} answered sample {index} without meta_info[{sglang_patch.SPOOL_KEY!r}]: its scheduler "
+                "runs without the eaglenest patch (see the server log for 'eaglenest capture'); restart it with "
+                "eaglenest.sglang.launch"
+            )
+        descriptor = descriptors[0]
+        if descriptor.get("error"):
+            raise SglangServerError(f"{self.url} could not capture sample {index}: {descriptor['error']}")
+        path = Path(descriptor.get("path", "")).resolve()
+        try:
+            if path.parent != self.spool_dir or descriptor.get("rid") != rid:
+                raise SglangServerError(
+                    f"{self.url} spooled sample {index} to {path} (rid {descriptor.get('rid')}); expected a file "
+                    f"for rid {rid} in {self.spool_dir}. Client and server must share extract.sglang.spool_dir."
+                )
+            tensors = sglang_patch.read_spooled(path)
+        except FileNotFoundError:
+            raise SglangServerError(
+                f"spool file {path} of sample {index} does not exist here: client and server must run on the "
+                "same node and share extract.sglang.spool_dir"
+            ) from None
+        finally:
+            path.unlink(missing_ok=True)
+        n = len(token_ids)
+        sent = torch.tensor(token_ids, dtype=torch.int64)
+        aux, last = tensors["aux_hidden"], tensors["last_hidden"]
+        if tuple(aux.shape) != (n, self.widths[0]) or tuple(last.shape) != (n, self.widths[1]):
+            raise SglangServerError(
+                f"{self.url} returned aux {tuple(aux.shape)} / last {tuple(last.shape)} for sample {index} of "
+                f"{n} tokens; expected ({n}, {self.widths[0]}) / ({n}, {self.widths[1]})"
+            )
+        if not torch.equal(tensors["input_ids"].to(torch.int64), sent):
+            raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
+        return aux, last
+
+    def remove_leftovers(self) -> None:
+        """Spool files of this shard that a late answer may still write after a failure."""
+        for leftover in self.spool_dir.glob(f"eaglenest-{self.shard_tag}-*"):
+            leftover.unlink(missing_ok=True)
+
+
+def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
+                   disk_reserve_bytes: int) -> dict:
+    """shard_driver.preflight for a shard of a server with this target shape (from the run's config)."""
+    shard_driver.check_storage_dtype(dtype)
+    layer_ids = layer_id_convention.resolve(layer_ids, num_layers)
+    bytes_per_token = shards.hidden_bytes_per_token(hidden_size, len(layer_ids), dtype)
+    numbers = shard_driver.preflight(Path(hidden_path), Path(prepared_path), bytes_per_token, disk_reserve_bytes)
+    log.info("preflight: %s", numbers)
+    return numbers
+
+
+class ServerBackend:
+    """The patched SGLang server at ``url``: shard_driver's hidden-state backend.
+
+    The target's shape comes from the run's config: the server is asked nothing before the
+    disk preflight has passed.
+    """
+
+    device = torch.device("cpu")  # answers arrive as host tensors read from the spool
+    in_token_order = False  # concurrent requests finish in any order
+
+    def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
+                 retries, backoff_s, max_consecutive_failures):
+        self.url, self.shard_tag, self.target_name = url, shard_tag, target_name
+        self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
+        self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures)
+
+    def target_shape(self) -> tuple[int, int]:
+        return self.num_layers, self.hidden_size
+
+    def start(self, layer_ids: list[int]) -> None:
+        info = check_server(self.url, self.target_name, layer_ids, self.hidden_size)
+        log.info("server %s: %s", self.url, info)
+        spool_dir = info["spool_dir"] if self.spool_dir is None else self.spool_dir
+        self.requests = _ShardRequests(self.url, spool_dir, self.shard_tag, layer_ids, self.hidden_size, *self.retry_policy)
+
+    def largest_answer(self, prepared: shards.ShardReader) -> int:
+        return max(prepared.token_counts, default=0)
+
+    def hidden_states(self, prepared: shards.ShardReader, layer_ids: list[int]) -> Iterator[shard_driver.StateRows]:
+        requests = self.requests
+        tensors = prepared.tensors(shards.PREPARED_TENSORS)
+        offsets, input_ids = tensors["offsets"], tensors["input_ids"]
+        # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
+        requests.remove_leftovers()
+        pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="sglang-client")
+        try:
+            futures = {}
+            for index in range(len(prepared.token_counts)):
+                start, end = int(offsets[index]), int(offsets[index + 1])
+                futures[pool.submit(requests.fetch, index, input_ids[start:end].tolist())] = start
+            pending = set(futures)
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    aux, last = future.result()  # raises the first failure; the except cancels the rest
+                    yield shard_driver.StateRows(futures[future], aux, last)
+        except BaseException as err:
+            requests.stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            requests.remove_leftovers()
+            # The failure that stopped the shard, not the "stopped" echoes of the requests after it.
+            if requests.first_error is not None and err is not requests.first_error and not isinstance(err, GeneratorExit):
+                raise requests.first_error from None
+            raise
+        pool.shutdown(wait=True)
+        requests.remove_leftovers()  # late answers to this job's own timed-out, retried requests
+
+
+def extract_shard_via_server(
+    prepared_path: str | os.PathLike,
+    hidden_path: str | os.PathLike,
+    url: str,
+    target_name: str,
+    layer_ids: list[int],
+    hidden_size: int,
+    num_layers: int,
+    dtype: str = "bfloat16",
+    spool_dir: str = sglang_patch.DEFAULT_SPOOL_DIR,
+    concurrency: int = 16,
+    request_timeout_s: float = 600.0,
+    retries: int = 3,
+    backoff_s: float = 2.0,
+    max_consecutive_failures: int = 8,
+    check_disk: bool = True,
+    disk_reserve_bytes: int = 0,
+    log_stream=None,
+) -> dict:
+    """Make one hidden shard from one prepared shard through the server at ``url``."""
+    shard_tag = Path(hidden_path).name.split(".")[0]
+    backend = ServerBackend(url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
+                            retries, backoff_s, max_consecutive_failures)
+    result = shard_driver.extract_hidden_shard(
+        prepared_path, hidden_path, backend, target_name, layer_ids, dtype, check_disk, disk_reserve_bytes, log_stream
+    )
+    requests_s = result.start_s + result.compute_s
+    stats = {
+        "shard": Path(hidden_path).name,
+        "backend": "sglang",
+        "server": url,
+        "samples": result.samples,
+        "tokens": result.tokens,
+        "bytes_per_token": result.bytes_per_token,
+        "bytes": result.bytes,
+        "requests_s": round(requests_s, 3),
+        "write_s": round(result.write_s, 3),
+        "tokens_per_s": round(result.tokens / max(requests_s, 1e-9), 1),
+    }
+    log.info("extracted %s", stats)
+    return stats

@@ -1,0 +1,1 @@
+"""One module per workflow stage: ingest, regenerate, prepare, extract, consolidate, train, export, evaluate."""

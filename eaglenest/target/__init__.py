@@ -1,0 +1,1 @@
+"""The target model at run time: loading it, capturing its aux hidden states, layer ids."""
