@@ -249,11 +249,13 @@ def test_run_prepared_by_the_single_prepare_job_plans_no_prepare_or_extraction(t
     assert archive.returncode == 0, archive.stderr.decode()
     subprocess.run(["tar", "-x", "-C", str(earlier)], input=archive.stdout, check=True)
     workdir, configfile = new_workdir_at(tmp_path / "run", tiny_llama, conversations=20)  # 2 shards
-    # The earlier release's workflow and library (PYTHONPATH first) make the data half.
+    # The earlier release's workflow and library make the data half. Run from the earlier
+    # release: `python -m` puts the working directory ahead of PYTHONPATH, and from this
+    # checkout it would import this checkout's package under the earlier workflow.
     env = {**os.environ, "PYTHONPATH": str(earlier), "PYTHONUNBUFFERED": "1"}
     command = snakemake_command(workdir, configfile, "--cores", "2", *DATA_HALF)
     command[command.index(str(REPO / "Snakefile"))] = str(earlier / "Snakefile")
-    made = subprocess.run(command, capture_output=True, text=True, env=env)
+    made = subprocess.run(command, capture_output=True, text=True, env=env, cwd=earlier)
     assert made.returncode == 0, made.stderr[-4000:]
     assert (workdir / "logs" / "tiny" / "prepare.log").exists()  # the single job ran
     assert planned_jobs(workdir, configfile, *DATA_HALF) == {}
