@@ -31,11 +31,6 @@ rm -f logs/h200/DONE
 printf 'train:\n  epochs: %s\n' "$EPOCHS" >logs/h200/epochs.yaml
 echo "$(stamp) epochs: $EPOCHS" >>logs/h200/progress.log
 
-wait_for() { # file, seconds: until the file exists
-  local i
-  for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
-  return 1
-}
 
 timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${CONFIGS[@]}" || exit 1
 

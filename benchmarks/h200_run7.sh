@@ -62,11 +62,6 @@ echo "$(stamp) step ${step_s}s -> epochs: $epochs" >>logs/h200/progress.log
 
 timed pipeline $SNAKEMAKE --cores "$CORES" --keep-going --configfile "${CONFIGS[@]}" logs/h200/epochs.yaml &
 PIPELINE=$!
-wait_for() { # file, seconds: until the file exists
-  local i
-  for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
-  return 1
-}
 # The replay jobs come before the export in Snakemake's order: wait for the trained drafter.
 if wait_for "$RUN_DIR/train/drafter/config.json" 2400; then
   # The step before and after the one-pass loss, one after the other on the same idle GPU.

@@ -18,3 +18,8 @@ timed() { # name, command...: wall seconds and exit status into logs/h200/times.
   echo "$(stamp) end $name rc=$rc" >>"$REPO/logs/h200/progress.log"
   return $rc
 }
+wait_for() { # file, seconds: until the file exists (status 1 when it never appears)
+  local i
+  for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
+  return 1
+}

@@ -66,14 +66,20 @@ def launcher_config(target_dir: str, target_name: str, url: str, spool_dir: str,
     }
 
 
-def compare_tensors(reference, candidate) -> dict:
-    """Max relative difference and minimum row cosine of two [T, W] tensors (fp32 math)."""
+def row_cosine(reference, candidate):
+    """The cosine of each row of two [T, W] tensors (fp32 math)."""
     import torch
 
+    return torch.nn.functional.cosine_similarity(reference.float(), candidate.float(), dim=-1)
+
+
+def compare_tensors(reference, candidate, cosine=None) -> dict:
+    """Max relative difference and minimum row cosine of two [T, W] tensors (fp32 math);
+    ``cosine``: their row cosines when the caller has them already."""
     a, b = reference.float(), candidate.float()
     diff = (a - b).abs()
     scale = a.abs().max().clamp_min(1e-12)
-    cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    cosine = row_cosine(a, b) if cosine is None else cosine
     return {
         "shape": list(a.shape),
         "max_abs_diff": float(diff.max()),
@@ -83,6 +89,11 @@ def compare_tensors(reference, candidate) -> dict:
         "rows_below_cosine": int((cosine < MIN_ROW_COSINE).sum()),
         "worst_row": int(cosine.argmin()),
     }
+
+
+def ids_equal(comparison: dict) -> bool:
+    """Whether the token ids and loss masks of a shard comparison are equal."""
+    return all(t["equal"] for k, t in comparison["tensors"].items() if "hidden" not in k)
 
 
 def shard_comparison(reference_path: str, candidate_path: str, prepared_path: str) -> dict:
@@ -111,8 +122,8 @@ def shard_comparison(reference_path: str, candidate_path: str, prepared_path: st
         t["min_row_cosine"] >= MIN_ROW_COSINE and t["mean_relative_diff"] <= MAX_MEAN_RELATIVE
         for k, t in result["tensors"].items() if "hidden" in k
     )
-    ids_ok = all(t["equal"] for k, t in result["tensors"].items() if "hidden" not in k)
-    result["within_tolerance"] = bool(hidden_ok and ids_ok and result["same_samples"] and result["same_token_counts"])
+    result["within_tolerance"] = bool(hidden_ok and ids_equal(result) and result["same_samples"]
+                                      and result["same_token_counts"])
     return result
 
 
@@ -337,8 +348,8 @@ def cmd_noise(options) -> int:
     part = {"prepared": options.prepared, "layer_ids": layer_ids, "samples": len(chosen), "tokens": int(sub_offsets[-1]),
             "seconds": {k: v["seconds"] for k, v in outputs.items()}, "tensors": {}, "rows": {}}
     for name, (a, b) in tensors.items():
-        part["tensors"][name] = compare_tensors(a, b)
-        cosine = torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+        cosine = row_cosine(a, b)
+        part["tensors"][name] = compare_tensors(a, b, cosine)
         # The tail of the distribution, which a per-row tolerance has to cover.
         part["tensors"][name]["rows_below"] = {str(bar): int((cosine < bar).sum()) for bar in NOISE_BARS}
         part["tensors"][name]["cosine_quantiles"] = {
@@ -374,10 +385,10 @@ def noise_check(comparison: dict, noise: dict) -> dict:
             "every_row_within": got["min_row_cosine"] >= bar, "mean_within": got["mean_relative_diff"] <= mean_bar,
         }
     same_rows = comparison["tokens"] == noise["tokens"] and noise["samples"] == comparison["samples"]
-    ids_equal = all(t.get("equal", True) for k, t in comparison["tensors"].items() if "hidden" not in k)
+    ids_are_equal = ids_equal(comparison)
     return {
-        "tensors": tensors, "same_rows_measured": same_rows, "ids_equal": ids_equal,
-        "within_bf16_noise": bool(same_rows and ids_equal and comparison["same_samples"]
+        "tensors": tensors, "same_rows_measured": same_rows, "ids_equal": ids_are_equal,
+        "within_bf16_noise": bool(same_rows and ids_are_equal and comparison["same_samples"]
                                   and comparison["same_token_counts"]
                                   and all(t["every_row_within"] and t["mean_within"] for t in tensors.values())),
     }

@@ -221,8 +221,9 @@ def profile_table(profile, rows: int = 30) -> list[dict]:
     def device_us(event):
         return max((getattr(event, name, 0) or 0) for name in ("self_device_time_total", "self_cuda_time_total"))
 
-    if any(device_us(e) for e in events):
-        timed = [(e, device_us(e)) for e in events if device_us(e) > 0]
+    timed = [(e, device_us(e)) for e in events]
+    if any(us for _, us in timed):
+        timed = [(e, us) for e, us in timed if us > 0]
     else:
         timed = [(e, e.self_cpu_time_total) for e in events]
     total = sum(us for _, us in timed) or 1

@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
-import torch.nn.functional as F
 from torch import nn
 
 from eaglenest.formats import atomic, shards, vocab
@@ -473,7 +472,7 @@ def _train(
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
-                             settings["recompute_steps"], compile_loss=settings["compile"] and device.type == "cuda")
+                             settings["recompute_steps"], compile_loss=settings["compile"])
     if settings["compile"] and device.type == "cuda":
         # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
