@@ -23,4 +23,5 @@ evaluate.evaluate_drafting(
     chunks=snakemake.params.chunks,
     method=snakemake.params.method,
     reference_path=snakemake.input.reference or None,
+    replay_batch=snakemake.config["evaluate"]["replay_batch"],
 )

@@ -11,7 +11,7 @@ import torch
 
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake
 from eaglenest.model import drafter as drafter_lib
-from eaglenest.model import speculate
+from eaglenest.model import replay, speculate
 
 SMOLLM2 = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"
 
@@ -344,22 +344,65 @@ def test_greedy_is_lossless_on_smollm2_with_the_trained_drafter(smollm2):
 
 
 def assert_replay_matches_decoding(target, drafter, prompts, draftings, max_new_tokens):
-    """Replay on the target's greedy output gives the decoder's exact cycles; returns the cycle count."""
+    """Replay on the target's greedy output gives the decoder's exact cycles, alone and with
+    every prompt in lockstep (replay_many); returns the cycle count."""
     decoder = speculate.SpeculativeDecoder(target, drafter)
     eos = sorted(decoder.eos_token_ids)
+    lookahead = max(d.steps for d in draftings)
+    references = [speculate.target_decode(target, prompt, max_new_tokens, eos, lookahead=lookahead).tokens
+                  for prompt in prompts]
     cycles = 0
-    for prompt in prompts:
-        lookahead = max(d.steps for d in draftings)
-        reference = speculate.target_decode(target, prompt, max_new_tokens, eos, lookahead=lookahead)
-        assert len(reference.tokens) == speculate.output_length(reference.tokens, max_new_tokens, eos) + lookahead
-        for drafting in draftings:
+    for drafting in draftings:
+        together = replay.replay_many(target, drafter, prompts, references, drafting, max_new_tokens, eos, batch=8)
+        # A batch of 1 (each prompt alone through replay_many) and of 2 (a finished prompt's
+        # place taken by the next) give the same traces as all prompts at once.
+        for batch in (1, 2):
+            assert [(r.tokens, r.accepted, r.draft_depths) for r in replay.replay_many(
+                target, drafter, prompts, references, drafting, max_new_tokens, eos, batch=batch)] == [
+                (r.tokens, r.accepted, r.draft_depths) for r in together], (drafting.name, batch)
+        for prompt, reference, batched in zip(prompts, references, together):
+            assert len(reference) == speculate.output_length(reference, max_new_tokens, eos) + lookahead
             decoded = decoder.generate(prompt, drafting, max_new_tokens)
-            replayed = speculate.replay_greedy(target, drafter, prompt, reference.tokens, drafting, max_new_tokens, eos)
-            assert replayed.reference_consistent
-            assert replayed.tokens == decoded.tokens
+            replayed = replay.replay_greedy(target, drafter, prompt, reference, drafting, max_new_tokens, eos)
+            assert replayed.reference_consistent and batched.reference_consistent
+            assert replayed.tokens == decoded.tokens == batched.tokens
             assert (replayed.accepted, replayed.draft_depths) == (decoded.accepted, decoded.draft_depths), drafting.name
+            assert (batched.accepted, batched.draft_depths) == (decoded.accepted, decoded.draft_depths), drafting.name
             cycles += replayed.cycles
     return cycles
+
+
+def test_drafter_calls_run_together_give_each_calls_own_logits_and_caches(tiny_pair):
+    """run_draft_steps over several states (a 3H-wide extend beside an H-wide tree step) gives
+    what each call gives alone, and leaves each state's cache as alone."""
+    _, drafter = tiny_pair
+    torch.manual_seed(3)
+    wide = 3 * drafter.config.target_hidden_size
+    alone, together = [], []
+    for states in (alone, together):
+        for length in (5, 9):
+            state = speculate.DrafterState(drafter)
+            generator = torch.Generator().manual_seed(length)
+            state.extend(torch.randint(0, 200, (length,), generator=generator),
+                         torch.randn(length, wide, generator=generator), 0)
+            states.append(state)
+    generator = torch.Generator().manual_seed(11)
+    calls = [
+        lambda state: state.extend_step(torch.tensor([7, 8]), torch.randn(2, wide, generator=generator), 5),
+        lambda state: speculate.DraftStep(state, torch.tensor([3, 4, 5]),
+                                          torch.randn(3, drafter.config.hidden_size, generator=generator),
+                                          torch.tensor([9, 9, 9]), torch.ones(3, 12, dtype=torch.bool).tril(9)),
+    ]
+    generator.manual_seed(11)
+    expected = [speculate.run_draft_steps(drafter, [call(state)])[0] for call, state in zip(calls, alone)]
+    generator.manual_seed(11)
+    got = speculate.run_draft_steps(drafter, [call(state) for call, state in zip(calls, together)])
+    for (want_logits, want_hidden), (logits, hidden) in zip(expected, got):
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.keys, a.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b.values, a.values, rtol=1e-5, atol=1e-5)
 
 
 def test_replay_gives_the_decoders_cycles_on_a_tiny_target(tiny_pair):
@@ -373,7 +416,7 @@ def test_replay_refuses_a_reference_without_lookahead(tiny_pair):
     reference = speculate.target_decode(target, [5, 6, 7], 12, [])
     with pytest.raises(ValueError, match="lookahead"):
         # One reference token and no lookahead: the first cycle already needs the second.
-        speculate.replay_greedy(target, drafter, [5, 6, 7], reference.tokens[:1], speculate.Drafting(3, 1, 4), 12, [])
+        replay.replay_greedy(target, drafter, [5, 6, 7], reference.tokens[:1], speculate.Drafting(3, 1, 4), 12, [])
 
 
 @pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
@@ -384,6 +427,6 @@ def test_replay_gives_the_decoders_cycles_on_smollm2_with_the_trained_drafter(sm
     draftings = [speculate.Drafting(3, 1, 4), speculate.Drafting(4, 4, 10)]
     assert assert_replay_matches_decoding(target, drafter, prompts, draftings, 32) > 0
     # Cycles that accepted drafts are what the replay must get right: there are some.
-    decoded = speculate.replay_greedy(target, drafter, prompts[0], speculate.target_decode(
+    decoded = replay.replay_greedy(target, drafter, prompts[0], speculate.target_decode(
         target, prompts[0], 32, lookahead=4).tokens, draftings[1], 32)
     assert sum(decoded.accepted) > 0

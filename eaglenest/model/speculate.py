@@ -125,12 +125,70 @@ def keep_cache_entries(cache, past_length: int, keep: list[int]) -> None:
             layer.values = torch.cat([layer.values[..., :past_length, :], layer.values.index_select(-2, tail)], dim=-2)
 
 
-class DrafterState:
-    """The drafter run incrementally: its own KV cache and an explicit visibility mask.
+@dataclass
+class DraftStep:
+    """One drafter call: ``input_ids`` [T] and ``hidden`` [T, 3H or H] fed to ``state`` at
+    ``positions`` [T], each entry seeing the cached entries and the new ones ``visible``
+    [T, length + T] marks."""
 
-    Same weights and arithmetic as ``Eagle3Drafter.forward`` (eaglenest.model.drafter), which runs
-    whole sequences; decoding needs a cache over verified positions and tree masks over drafts.
+    state: "DrafterState"
+    input_ids: torch.Tensor
+    hidden: torch.Tensor
+    positions: torch.Tensor
+    visible: torch.Tensor
+
+
+def run_draft_steps(drafter: Eagle3Drafter, steps: list[DraftStep]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits [T, D], hidden_out [T, H]) of every step, each appended to its state's cache.
+
+    The row-wise layers (fc, projections, MLP, head) run once over the rows of all steps: on a
+    CPU one matrix product over 20 rows costs about what one row does, since the head's
+    weight is streamed from memory once. Attention runs per state, over its own cache. Same
+    weights and arithmetic as ``Eagle3Drafter.forward`` (eaglenest.model.drafter), which runs
+    whole sequences; decoding needs caches over verified positions and tree masks over drafts.
     """
+    config = drafter.config
+    layer = drafter.midlayer
+    attn = layer.self_attn
+    device = drafter.fc.weight.device
+    counts = [step.input_ids.shape[0] for step in steps]
+    # Entries that come from the target (3 aux layers) go through fc; drafted ones are already H wide.
+    hidden = [step.hidden for step in steps]
+    wide = [i for i, h in enumerate(hidden) if h.shape[-1] == 3 * config.target_hidden_size]
+    if wide:
+        reduced = drafter.fc(torch.cat([hidden[i] for i in wide]))
+        for i, part in zip(wide, reduced.split([counts[i] for i in wide])):
+            hidden[i] = part
+    hidden = torch.cat(hidden)
+    # Tree bookkeeping builds ids, positions and masks on the CPU; the drafter may be on a GPU.
+    input_ids = torch.cat([step.input_ids for step in steps]).to(device)
+    embeds = drafter.embed_tokens(input_ids).to(hidden.dtype)
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)[None]
+    rows = x.shape[1]
+    q_all = attn.q_proj(x).view(1, rows, attn.heads, attn.head_dim).transpose(1, 2)
+    k_all = attn.k_proj(x).view(1, rows, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    v_all = attn.v_proj(x).view(1, rows, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    group = attn.heads // attn.kv_heads
+    outs = []
+    for step, q, k, v in zip(steps, q_all.split(counts, dim=2), k_all.split(counts, dim=2), v_all.split(counts, dim=2)):
+        state = step.state
+        cos, sin = rotary_cos_sin(step.positions.to(device)[None], attn.head_dim, attn.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        state.keys = k if state.keys is None else torch.cat([state.keys, k], dim=-2)
+        state.values = v if state.values is None else torch.cat([state.values, v], dim=-2)
+        keys = state.keys.repeat_interleave(group, dim=1) if group > 1 else state.keys
+        values = state.values.repeat_interleave(group, dim=1) if group > 1 else state.values
+        outs.append(F.scaled_dot_product_attention(q, keys, values, attn_mask=step.visible.to(device)[None, None]))
+    out = torch.cat(outs, dim=2)
+    out = attn.o_proj(out.transpose(1, 2).reshape(1, rows, attn.heads * attn.head_dim))[0]
+    residual = hidden + out
+    hidden_out = residual + layer.mlp(layer.post_attention_layernorm(residual))
+    logits = drafter.lm_head(drafter.norm(hidden_out))
+    return list(zip(logits.split(counts), hidden_out.split(counts)))
+
+
+class DrafterState:
+    """The drafter run incrementally: its own KV cache and an explicit visibility mask."""
 
     def __init__(self, drafter: Eagle3Drafter):
         self.drafter = drafter
@@ -147,40 +205,29 @@ class DrafterState:
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
         """Feed T entries; ``visible`` [T, length + T] bool. Returns (logits [T, D], hidden_out [T, H])."""
-        drafter = self.drafter
-        config = drafter.config
-        # Tree bookkeeping builds ids, positions and masks on the CPU; the drafter may be on a GPU.
-        input_ids, positions, visible = (t.to(hidden.device) for t in (input_ids, positions, visible))
-        if hidden.shape[-1] == 3 * config.target_hidden_size:
-            hidden = drafter.fc(hidden)
-        layer = drafter.midlayer
-        attn = layer.self_attn
-        embeds = drafter.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)[None]
-        length = x.shape[1]
-        q = attn.q_proj(x).view(1, length, attn.heads, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(1, length, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(1, length, attn.kv_heads, attn.head_dim).transpose(1, 2)
-        cos, sin = rotary_cos_sin(positions[None], attn.head_dim, attn.rope_theta, q.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
-        group = attn.heads // attn.kv_heads
-        keys = self.keys.repeat_interleave(group, dim=1) if group > 1 else self.keys
-        values = self.values.repeat_interleave(group, dim=1) if group > 1 else self.values
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[None, None])
-        out = attn.o_proj(out.transpose(1, 2).reshape(1, length, attn.heads * attn.head_dim))[0]
-        residual = hidden + out
-        hidden_out = residual + layer.mlp(layer.post_attention_layernorm(residual))
-        return drafter.lm_head(drafter.norm(hidden_out)), hidden_out
+        return run_draft_steps(self.drafter, [DraftStep(self, input_ids, hidden, positions, visible)])[0]
+
+    def extend_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, first_position: int) -> DraftStep:
+        """The call that appends verified entries causally (they see every cached entry and each other)."""
+        count = input_ids.shape[0]
+        visible = torch.ones(count, self.length + count, dtype=torch.bool)
+        visible[:, self.length :] = torch.ones(count, count, dtype=torch.bool).tril()
+        positions = torch.arange(first_position, first_position + count)
+        return DraftStep(self, input_ids, hidden, positions, visible)
 
     def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, first_position: int):
-        """Append verified entries causally (they see every cached entry and each other)."""
-        count = input_ids.shape[0]
-        visible = torch.ones(count, self.length + count, dtype=torch.bool, device=input_ids.device)
-        visible[:, self.length :] = torch.ones(count, count, dtype=torch.bool, device=input_ids.device).tril()
-        positions = torch.arange(first_position, first_position + count, device=input_ids.device)
-        return self.step(input_ids, hidden, positions, visible)
+        return run_draft_steps(self.drafter, [self.extend_step(input_ids, hidden, first_position)])[0]
+
+
+def run_alone(coroutine):
+    """Drive a drafting coroutine (one that yields DraftSteps and is sent their results) one
+    drafter call at a time; returns what it returns."""
+    try:
+        step = next(coroutine)
+        while True:
+            step = coroutine.send(run_draft_steps(step.state.drafter, [step])[0])
+    except StopIteration as done:
+        return done.value
 
 
 def draft_distribution(drafter: Eagle3Drafter, logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
@@ -203,6 +250,22 @@ def build_draft_tree(
     generator: torch.Generator | None,
 ) -> DraftTree:
     """Draft after the root; ``last_*`` come from the drafter entry whose token is the root."""
+    return run_alone(draft_tree_steps(state, last_logits, last_hidden, root_position, drafting, temperature,
+                                      vocab_size, generator))
+
+
+def draft_tree_steps(
+    state: DrafterState,
+    last_logits: torch.Tensor,
+    last_hidden: torch.Tensor,
+    root_position: int,
+    drafting: Drafting,
+    temperature: float,
+    vocab_size: int,
+    generator: torch.Generator | None,
+):
+    """``build_draft_tree`` as a coroutine: yields each depth's DraftStep, is sent its
+    (logits, hidden_out), returns the DraftTree. Replay runs many of these in lockstep."""
     drafter = state.drafter
     context_length = state.length
     sample_chain = drafting.topk == 1 and temperature > 0
@@ -251,7 +314,7 @@ def build_draft_tree(
             fed_slot[node] = state.length + row
         positions = torch.full((count,), root_position + depth - 2, dtype=torch.long)
         ids = torch.tensor([tokens[n] for n in frontier], dtype=torch.long)
-        logits, hidden_out = state.step(ids, frontier_hidden, positions, visible)
+        logits, hidden_out = yield DraftStep(state, ids, frontier_hidden, positions, visible)
         children, child_hidden = [], []
         for row, node in enumerate(frontier):
             made = add_children(node, logits[row], scores[node])
@@ -476,83 +539,6 @@ def target_decode(
     for _ in range(lookahead):
         decode_next_token()
     return Generation(tokens=tokens, seconds=seconds)
-
-
-@dataclass
-class Replay(Generation):
-    """A replayed generation; ``reference_consistent`` is False when one teacher-forced
-    forward over the reference does not give the reference back as its argmax (a near-tie
-    that rounded the other way), so the replay's features are not exactly the decoder's."""
-
-    reference_consistent: bool = True
-
-
-@torch.inference_mode()
-def replay_greedy(
-    target,
-    drafter: Eagle3Drafter,
-    prompt_ids: list[int],
-    reference: list[int],
-    drafting: Drafting,
-    max_new_tokens: int,
-    eos_token_ids: list[int] | None = None,
-) -> Replay:
-    """The cycles greedy speculative decoding goes through, replayed on the target's known output.
-
-    With temperature 0 speculative decoding outputs the target's greedy tokens, and what the
-    drafter sees at every cycle is fixed by them: the target's aux features at the verified
-    positions (the same with a tree mask over the path as causally over the whole output)
-    and the verified tokens. So ONE teacher-forced target forward over prompt + ``reference``
-    (``target_decode`` with ``lookahead`` >= drafting.steps) yields every feature, and a
-    cycle accepts the longest draft path that spells the reference's next tokens. Same
-    drafter code and cycle bookkeeping as ``SpeculativeDecoder.generate``; the ~100 target
-    forwards of a 128-token answer become one, which makes tau over whole eval sets cheap.
-    Numerically the features come from one causal forward rather than the tree-verification
-    forwards, so a draft near-tie may round the other way; tests hold the traces equal.
-    """
-    eos = set(eos_token_ids if eos_token_ids is not None else target_eos_ids(target))
-    stop = output_length(reference, max_new_tokens, eos)
-    device = next(target.parameters()).device
-    began = time.perf_counter()
-    sequence = list(prompt_ids) + list(reference)
-    prompt_length = len(prompt_ids)
-    capture = AuxCapture(target, list(drafter.config.aux_layer_ids))
-    try:
-        out = target(input_ids=torch.tensor([sequence], device=device), use_cache=False)
-        aux = capture.take()[0].to(drafter.fc.weight.dtype)
-    finally:
-        capture.remove()
-    greedy = out.logits[0, prompt_length - 1 : -1].argmax(-1).tolist()
-    result = Replay(tokens=[reference[0]], reference_consistent=greedy == list(reference))
-    state = DrafterState(drafter)
-    tokens_after = torch.tensor(sequence[1 : prompt_length + 1], dtype=torch.long, device=device)
-    logits, hidden = state.extend(tokens_after, aux[:prompt_length], 0)
-    root = prompt_length  # index in ``sequence`` of the newest verified token
-    while not generation_finished(result.tokens, max_new_tokens, eos):
-        tree = build_draft_tree(state, logits[-1], hidden[-1], root, drafting, 0.0, drafter.config.vocab_size, None)
-        node, accepted = -1, 0
-        while True:
-            following = root + accepted + 1
-            if following >= len(sequence):
-                raise ValueError(
-                    f"reference of {len(reference)} tokens ends inside a cycle: decode it with lookahead >= "
-                    f"{drafting.steps} past its stop at {stop}"
-                )
-            node = next((c for c in tree.children(node) if tree.tokens[c] == sequence[following]), None)
-            if node is None:
-                break
-            accepted += 1
-        new_tokens = sequence[root + 1 : root + accepted + 2]
-        result.accepted.append(accepted)
-        result.draft_depths.append(max(tree.depths))
-        result.tokens += new_tokens
-        logits, hidden = state.extend(
-            torch.tensor(new_tokens, dtype=torch.long, device=device), aux[root : root + accepted + 1], root
-        )
-        root += accepted + 1
-    result.tokens = result.tokens[:stop]
-    result.seconds = time.perf_counter() - began
-    return result
 
 
 def acceptance_stats(accepted: list[int], draft_depths: list[int]) -> dict:

@@ -11,9 +11,9 @@ gathers every metrics.json into a table, PNG plots and a headline line.
 ``evaluate.method: replay`` (greedy only) measures the same tau without running speculative
 decoding: a reference job per chunk decodes the target's greedy output once (shared by every
 drafting configuration), and each drafting job replays the decoder's cycles on it with one
-teacher-forced target forward per prompt (eaglenest.model.speculate.replay_greedy). It gives the
-decoder's exact cycles (tests compare them) at a fraction of the cost, and no speedup: nothing
-is decoded speculatively.
+teacher-forced target forward per prompt (eaglenest.model.replay), ``evaluate.replay_batch``
+prompts in lockstep. It gives the decoder's exact cycles (tests compare them) at a fraction of
+the cost, and no speedup: nothing is decoded speculatively.
 
 Eval sets (held out from training by construction: the drafter trains on ShareGPT):
 - ``mt_bench``: fastchat's MT-bench question.jsonl (80 questions, 8 categories). The first
@@ -218,12 +218,13 @@ def evaluate_drafting(
     chunks: int = 1,
     method: str = "decode",
     reference_path: str | os.PathLike | None = None,
+    replay_batch: int = 32,
 ) -> dict:
     """Decode (or replay) chunk ``chunk`` of ``chunks`` of the set's prompts; write its
     per-prompt traces. ``merge_parts`` turns the parts of every chunk into metrics.json."""
     import torch
 
-    from eaglenest.model import speculate
+    from eaglenest.model import replay, speculate
     from eaglenest.stages.prepare import prompt_ids
 
     if method not in METHODS:
@@ -248,6 +249,7 @@ def evaluate_drafting(
         "device": device,
         "dtype": dtype,
         "threads": threads,
+        **({"replay_batch": replay_batch} if method == "replay" else {}),
         "target": target_name or str(target_path),
         "drafter": str(drafter_path),
         "per_prompt": [],
@@ -270,11 +272,15 @@ def evaluate_drafting(
         speculate.target_decode(target, warm, 4, eos)
         decoder.generate(warm, config, 4, temperature, generator)
 
-    for index, prompt in enumerate(prompts):
-        ids = prompt_ids(tokenizer, prompt["messages"])
+    prompt_tokens = [prompt_ids(tokenizer, prompt["messages"]) for prompt in prompts]
+    if method == "replay":
+        references = [plain["tokens"] for plain in reference["per_prompt"]]
+        replays = replay.replay_many(target, drafter, prompt_tokens, references, config, max_new_tokens, eos,
+                                     batch=replay_batch)
+    for index, (prompt, ids) in enumerate(zip(prompts, prompt_tokens)):
         if method == "replay":
             plain = reference["per_prompt"][index]
-            result = speculate.replay_greedy(target, drafter, ids, plain["tokens"], config, max_new_tokens, eos)
+            result = replays[index]
             plain = speculate.Generation(tokens=plain["tokens"][: plain["output_length"]], seconds=plain["seconds"])
             # The replay outputs the reference by construction; what can part is one
             # teacher-forced forward's argmax from the reference (a rounding near-tie).
