@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     print("all settings: " + ", ".join(f"batch {b} {s:.1f} s (x{total[batches[0]] / s:.2f})" for b, s in total.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
-        "command": "python benchmarks/replay_speed.py " + " ".join(argv or __import__("sys").argv[1:]),
+        "command": "python benchmarks/replay_speed.py " + " ".join(argv or sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"), "device": device, "threads": args.threads,
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
         "drafter": str(args.drafter), "chunk": args.chunk, "rows": rows, "total_seconds": total,

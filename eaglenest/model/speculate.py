@@ -205,7 +205,7 @@ class DrafterState:
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor):
         """Feed T entries; ``visible`` [T, length + T] bool. Returns (logits [T, D], hidden_out [T, H])."""
-        return run_draft_steps(self.drafter, [DraftStep(self, input_ids, hidden, positions, visible)])[0]
+        return run_one(DraftStep(self, input_ids, hidden, positions, visible))
 
     def extend_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, first_position: int) -> DraftStep:
         """The call that appends verified entries causally (they see every cached entry and each other)."""
@@ -216,7 +216,12 @@ class DrafterState:
         return DraftStep(self, input_ids, hidden, positions, visible)
 
     def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, first_position: int):
-        return run_draft_steps(self.drafter, [self.extend_step(input_ids, hidden, first_position)])[0]
+        return run_one(self.extend_step(input_ids, hidden, first_position))
+
+
+def run_one(step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter call on its own: ``run_draft_steps`` of that step alone."""
+    return run_draft_steps(step.state.drafter, [step])[0]
 
 
 def run_alone(coroutine):
@@ -225,7 +230,7 @@ def run_alone(coroutine):
     try:
         step = next(coroutine)
         while True:
-            step = coroutine.send(run_draft_steps(step.state.drafter, [step])[0])
+            step = coroutine.send(run_one(step))
     except StopIteration as done:
         return done.value
 
