@@ -23,7 +23,7 @@ SCHEMA_PATH = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
 # keys only change speed and bookkeeping (and where the job runs).
 TRAIN_CONTENT_KEYS = (
     "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
-    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "drafter",
+    "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "init_from", "drafter",
 )
 # train keys that the workflow reads to place the job, not the trainer.
 TRAIN_PLACEMENT_KEYS = ("gpus", "cpu_processes")

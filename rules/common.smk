@@ -208,6 +208,12 @@ def drafting_configs():
     return configs
 
 
+def train_start_input():
+    """The drafter a warm start begins from (train.init_from), as an input: a changed file reruns training."""
+    start = config["train"].get("init_from")
+    return [start] if start else []
+
+
 def evaluation_drafter():
     """The drafter to evaluate: evaluate.drafter when set, else the one this run trains."""
     return config["evaluate"].get("drafter") or LAYOUT.drafter_dir()

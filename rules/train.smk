@@ -12,6 +12,7 @@ rule train_drafter:
         draft_vocab=run_path("consolidated", "draft_vocab.safetensors"),
         split=run_path("consolidated", "split.json"),
         target=target_model_input(),
+        start=train_start_input(),
     output:
         drafter=directory(run_path("train", "drafter")),
         summary=report(

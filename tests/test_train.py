@@ -291,6 +291,42 @@ def test_checkpoints_of_other_settings_are_refused(tiny_run, tmp_path):
         train.train(**arguments(tiny_run, tmp_path, epochs=1, lr=1e-4))
 
 
+def test_warm_start_begins_at_the_earlier_drafter_s_weights_and_is_its_own_run(tiny_run, tmp_path):
+    from eaglenest.stages import export
+
+    first = train.train(**arguments(tiny_run, tmp_path / "first", epochs=2))
+    earlier = tmp_path / "first" / "drafter"
+    earlier_weights = final_weights(earlier)
+    # An export of it (bf16, no embedding) is a starting point too; both start at the same values.
+    exported = tmp_path / "export"
+    export.export_drafter(earlier, tiny_run["target_path"], "tiny-llama", exported / "sglang", exported / "vllm",
+                          exported / "report.json", dtype="float32", include_embed_tokens=False)
+    for source in (earlier, exported / "sglang"):
+        run_dir = tmp_path / f"warm-{source.name}"
+        train.train(**arguments(tiny_run, run_dir, epochs=1, lr=1e-20, init_from=str(source)))
+        # lr 1e-20 moves no float32 weight: they stay where they started, the earlier drafter, not a fresh init
+        warm = final_weights(run_dir / "drafter")
+        assert all(torch.equal(warm[name], earlier_weights[name]) for name in earlier_weights), source
+    fresh = tmp_path / "fresh"
+    train.train(**arguments(tiny_run, fresh, epochs=1, lr=1e-20))
+    assert not torch.equal(final_weights(fresh / "drafter")["fc.weight"], earlier_weights["fc.weight"])
+    # Its validation starts where the earlier run ended, above the fresh drafter's.
+    warm_curve = json.loads((tmp_path / "warm-drafter" / "drafter" / "training_curve.json").read_text())
+    assert warm_curve["val"][-1]["acc"] == first["final_val_acc"]
+    # A checkpoint of the fresh run (other starting weights, same settings) is refused.
+    with pytest.raises(ValueError, match="other training settings"):
+        train.train(**arguments(tiny_run, fresh, epochs=1, lr=1e-20, init_from=str(earlier)))
+
+
+def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
+    other = tmp_path / "other"
+    train.train(**{**arguments(tiny_run, other, epochs=1), "settings": {
+        **SETTINGS, "epochs": 1, "drafter": {"intermediate_size": 32}}})
+    with pytest.raises(ValueError, match="intermediate_size 32 != "):
+        train.train(**arguments(tiny_run, tmp_path / "run", epochs=1, init_from=str(other / "drafter")))
+    assert not (tmp_path / "run" / "drafter").exists()
+
+
 def run_worker(args: dict, args_file: Path, env=None) -> subprocess.Popen:
     args_file.write_text(json.dumps(args))
     return subprocess.Popen([sys.executable, "-m", "eaglenest.stages.train", str(args_file)],

@@ -116,7 +116,6 @@ def _load_models(target_path, drafter_path, device: str, threads: int, dtype: st
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglenest.model import drafter as drafter_lib
     from eaglenest.stages import export
     from eaglenest.target.runtime import pick_device
 
@@ -134,11 +133,7 @@ def _load_models(target_path, drafter_path, device: str, threads: int, dtype: st
     target = target.to(device).eval()
     drafter = None
     if drafter_path is not None:
-        config_path = Path(drafter_path) / "config.json"
-        is_export = config_path.exists() and "eaglenest" in json.loads(config_path.read_text())
-        drafter = (export.drafter_from_export(drafter_path, target_path) if is_export
-                   else drafter_lib.Eagle3Drafter.from_checkpoint(drafter_path))
-        drafter = drafter.to(device, torch_dtype).eval()
+        drafter = export.load_any_drafter(drafter_path, target_path).to(device, torch_dtype).eval()
     return tokenizer, target, drafter, device
 
 

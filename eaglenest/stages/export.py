@@ -286,6 +286,20 @@ def drafter_from_export(export_dir, target_dir=None) -> Eagle3Drafter:
     return model
 
 
+def load_any_drafter(drafter_dir, target_dir=None) -> Eagle3Drafter:
+    """A drafter as eaglenest writes one: the train stage's output directory (model.save), a
+    training checkpoint file, or an SGLang/vLLM export, told apart by the export's ``eaglenest``
+    provenance block. In float32."""
+    if Path(drafter_dir).is_file():
+        return Eagle3Drafter.from_checkpoint(drafter_dir)
+    config_path = Path(drafter_dir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{drafter_dir} is not a drafter directory (no config.json)")
+    if "eaglenest" in json.loads(config_path.read_text()):
+        return drafter_from_export(drafter_dir, target_dir)
+    return Eagle3Drafter.from_checkpoint(drafter_dir)
+
+
 def target_identity(target_dir, target_name: str, verifier_name_or_path: str | None = None) -> dict:
     """Name, architecture and the verifier path a vLLM export names, from the target's config.json."""
     target_config = json.loads((Path(target_dir) / "config.json").read_text())

@@ -196,12 +196,50 @@ class TTTObjective(nn.Module):
 # ---- setup -----------------------------------------------------------------------------------------
 
 
-def fingerprint(settings: dict, index_path) -> str:
+def fingerprint(settings: dict, index_path, start_weights: str | None = None) -> str:
+    """The run's identity: its content settings, objective, shards and, for a warm start, the
+    digest of the weights it starts from (``start_weights``), not their path."""
     index = json.loads(Path(index_path).read_text())
-    content = {key: settings[key] for key in CONTENT_KEYS}
+    content = {key: settings[key] for key in CONTENT_KEYS if key != "init_from"}
     content["objective"] = OBJECTIVE
     content["shards"] = [entry["checksums"] for entry in index["shards"]]
+    if start_weights is not None:
+        content["start_weights"] = start_weights
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Fields a warm start's drafter must share with the drafter this run builds.
+_SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "vocab_size", "draft_vocab_size", "target_hidden_size", "aux_layer_ids", "rope_theta")
+
+
+def warm_start(model: drafter_lib.Eagle3Drafter, source, target_path) -> str:
+    """Copy the trainable weights of the drafter at ``source`` (train output, checkpoint file or
+    export: eaglenest.stages.export.load_any_drafter) into ``model``; return their digest.
+
+    The source must be this run's drafter in all but its weights: same shape, aux layers and
+    draft vocabulary (d2t and t2d), else a ValueError names what differs and nothing is copied.
+    The embedding stays the target's (frozen, and an export may not carry it)."""
+    from eaglenest.stages import export  # export imports the drafter model, not train
+
+    start = export.load_any_drafter(source, target_path)
+    differ = [f"{name} {getattr(start.config, name)} != {getattr(model.config, name)}"
+              for name in _SHAPE_FIELDS if getattr(start.config, name) != getattr(model.config, name)]
+    for name in ("d2t", "t2d"):
+        if not differ and not torch.equal(getattr(start, name).cpu(), getattr(model, name).cpu()):
+            differ.append(f"{name} (the draft vocabulary) differs")
+    if differ:
+        raise ValueError(f"train.init_from {source}: not this run's drafter shape: {'; '.join(differ)}")
+    weights = {name: t for name, t in start.trainable_state_dict().items() if name not in ("d2t", "t2d")}
+    digest = hashlib.sha256()
+    for name, tensor in sorted(weights.items()):
+        digest.update(name.encode())
+        digest.update(shards.tensor_sha256(tensor.float()).encode())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            model.state_dict()[name].copy_(tensor)
+    log.info("warm start from %s (weights %s)", source, digest.hexdigest()[:16])
+    return digest.hexdigest()
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -457,7 +495,6 @@ def _train(
     if rank == 0:
         atomic.remove_stale_temps(checkpoint_dir)
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    run_fingerprint = fingerprint(settings, index_path)
     train_set = loader.open_split(index_path, split_path, "train", expect)
     val_set = loader.open_split(index_path, split_path, "val", expect)
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
@@ -469,6 +506,8 @@ def _train(
     )
     if model.config.target_hidden_size != train_set.hidden_size:
         raise ValueError(f"target hidden size {model.config.target_hidden_size} != shards' {train_set.hidden_size}")
+    start_weights = warm_start(model, settings["init_from"], target_path) if settings["init_from"] else None
+    run_fingerprint = fingerprint(settings, index_path, start_weights)
     model.to(device)
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
