@@ -40,14 +40,15 @@ rm -f logs/h200/EXPORTED logs/h200/DONE
 [ -f "$START/model.safetensors" ] || { echo "no warm start drafter in $START" >>logs/h200/progress.log; exit 1; }
 
 timed convert $SNAKEMAKE resources/models/SmolLM2-135M-Instruct --cores 4 --configfile "${CONFIGS[@]}" || exit 1
-wait_for logs/h200/BENCH_DONE 900
+# STEP_S (and FIRST_S): a step time already measured; the benchmark is then neither waited for nor read.
+[ -n "${STEP_S:-}" ] || wait_for logs/h200/BENCH_DONE 900
 timed data $SNAKEMAKE --cores "$CORES" --configfile "${CONFIGS[@]}" --until consolidate || exit 1
 
-plan=$(python3 - "$BENCH" "$TRAIN_END" "$STEPS_PER_EPOCH" <<'EOF'
+plan=$(python3 - "$BENCH" "$TRAIN_END" "$STEPS_PER_EPOCH" "${STEP_S:-}" "${FIRST_S:-90}" <<'EOF'
 import json, statistics, sys, time
 bench, end, per_epoch = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-timed = {}
-for mode in ("eager", "compile"):
+timed = {"compile": (float(sys.argv[4]), float(sys.argv[5]))} if sys.argv[4] else {}
+for mode in ("eager", "compile") if not timed else ():
     try:
         run = json.load(open(f"{bench}/train_throughput_h200_smollm2_run9_{mode}.json"))["runs"][0]
         timed[mode] = (statistics.median(run["step_seconds"][4:]), run["step_seconds"][0])

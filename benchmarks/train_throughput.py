@@ -82,14 +82,17 @@ def write_shards(root: Path, shape: dict, samples: int, sample_len: int, per_sha
     vocab_size = shape["target"]["vocab_size"]
     generator = torch.Generator().manual_seed(seed)
     hidden_paths, prepared_paths = [], []
-    for shard_id in range(0, samples // per_shard):
+    # Every sample is written: the last shard holds what is left (fewer samples than one shard
+    # holds, e.g. 1 row of one 4,096-token sample for 4 steps, still makes a shard).
+    for shard_id, first in enumerate(range(0, samples, per_shard)):
+        count = min(per_shard, samples - first)
         rows = [{"sample_id": f"b:{shard_id}:{k}",
                  "input_ids": torch.randint(0, vocab_size, (sample_len,), generator=generator).tolist(),
-                 "loss_mask": [1] * sample_len} for k in range(per_shard)]
+                 "loss_mask": [1] * sample_len} for k in range(count)]
         name = shards.shard_name(shard_id)
         prepared = root / "prepared" / name
         shards.write_prepared_shard(prepared, shard_id, rows, {"target": "bench"})
-        tokens = per_shard * sample_len
+        tokens = count * sample_len
         aux = torch.randn(tokens, 3 * hidden, generator=generator).bfloat16()
         last = torch.randn(tokens, hidden, generator=generator).bfloat16()
         meta = {"target": "bench", "target_hidden_size": hidden, "layer_ids": shape["layer_ids"], "dtype": hidden_dtype}

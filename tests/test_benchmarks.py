@@ -55,3 +55,15 @@ def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_ar
     assert row["runs"]["second"]["chunks_merged"] == [1, 2]
     assert row["runs"]["first"]["tau"] == row["runs"]["second"]["tau"] == (3 + 0 + 1 + 1 + 4) / 4  # (accepted + bonus tokens) / cycles
     assert row["runs"]["second"]["minus_first"]["mean"] == 0
+
+
+def test_train_throughput_writes_every_sample_when_fewer_than_a_shard_holds(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_throughput
+
+    from eaglenest.formats import shards
+
+    shape = train_throughput.shape_of("smollm2", None)
+    hidden, prepared = train_throughput.write_shards(tmp_path, shape, samples=11, sample_len=16, per_shard=8, seed=0)
+    counts = [len(shards.ShardReader.open(path).sample_ids) for path in hidden]
+    assert counts == [8, 3] and len(prepared) == 2

@@ -318,6 +318,14 @@ def test_warm_start_begins_at_the_earlier_drafter_s_weights_and_is_its_own_run(t
         train.train(**arguments(tiny_run, fresh, epochs=1, lr=1e-20, init_from=str(earlier)))
 
 
+def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(tiny_run, tmp_path):
+    summary = train.train(**arguments(tiny_run, tmp_path, epochs=2))
+    keys = ("index_path", "draft_vocab_path", "split_path", "target_path")
+    again = train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
+                                   expect=EXPECT)
+    assert again["acc"] == summary["final_val_acc"] and again["positions"] == summary["final_val_positions"]
+
+
 def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
     other = tmp_path / "other"
     train.train(**{**arguments(tiny_run, other, epochs=1), "settings": {

@@ -435,6 +435,25 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
     }
 
 
+def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, target_path, settings: dict | None = None,
+                     expect: dict | None = None) -> dict:
+    """``validate`` of any saved drafter (train output, checkpoint file or export) on a run's
+    validation split, in eager mode: what the training curve's validation measured, recomputed
+    outside the training process (e.g. to check a compiled run's figures)."""
+    from eaglenest.stages import export
+
+    settings = settings_lib.section(settings, "train")
+    device = resolve_device(settings["device"], 0)
+    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    val_set = loader.open_split(index_path, split_path, "val", expect)
+    draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
+    top_draft_id = int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
+    model = export.load_any_drafter(drafter_path, target_path).to(device).eval()
+    head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
+    objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"])
+    return validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
+
+
 # ---- the loop ----------------------------------------------------------------------------------------------
 
 
