@@ -13,6 +13,8 @@
 #          faster benchmark step + the validations), rounded down, at least 1;
 #       3. train and export (--until export_drafter): EXPORTED, then DONE.
 #   Evaluation runs elsewhere, on CPU cores, from the export and the eighth run's references.
+#   START (default the eighth run's export) names the drafter to start from; EPOCHS fixes the
+#   epochs; STEP_S (with FIRST_S) skips waiting for the benchmark and plans with that step time.
 # Expects, carried in: resources/ (the GGUF, eval sets), results/h200-smollm2/data/ (the
 # ingested conversations), the eighth run's export reassembled in $START.
 source "$(dirname "$0")/h200_steps.sh"
@@ -63,6 +65,7 @@ print(mode, epochs, step)
 EOF
 )
 read -r mode epochs step_s <<<"$plan"
+epochs=${EPOCHS:-$epochs}  # EPOCHS: a chosen number instead of what fits before TRAIN_END
 compile=false
 [ "$mode" = compile ] && compile=true
 printf 'train:\n  epochs: %s\n  val_every: %s\n  init_from: %s\n  compile: %s\n' \

@@ -7,7 +7,8 @@ Faults, each followed by what the README tells a user to do:
                `snakemake --unlock` if the directory is locked, and rerun.
   * disk_full  the results live on a tmpfs too small for the hidden states; the run must
                fail with a clear message and leave no partial shard; then the filesystem
-               grows (space is made) and the rerun completes.
+               grows (space is made) and the rerun completes through consolidation (the
+               stages the fault touches; what follows reads only their outputs).
   * corrupt    flip a byte / truncate / zero-fill a random finished shard; the next run must
                refuse it by name; the user removes what it names and reruns; only that
                shard is rebuilt.
@@ -241,7 +242,8 @@ def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflig
         settings["extract"]["preflight"] = preflight
         workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
         tally.fault("disk_full_preflight" if preflight else "disk_full_write")
-        result = workflow.resume(tally)
+        targets = data_targets(workflow)
+        result = workflow.resume(tally, targets=targets)
         failed = result.returncode != 0
         output = result.stdout + result.stderr + _logs(workflow)
         clear = failed and (("disk preflight" in output) if preflight else ("disk full while writing" in output))
@@ -249,8 +251,8 @@ def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflig
         subprocess.run(["mount", "-o", "remount,size=512m", str(mount_point)], check=True)
         settings["extract"]["preflight"] = True
         workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
-        result = workflow.resume(tally)
-        outputs = final_outputs(workflow)
+        result = workflow.resume(tally, targets=targets)
+        outputs = data_outputs(final_outputs(workflow))
         return {"failed": failed, "clear_message": clear,
                 "partial_files_left": len(partial), "completed_after_space": result.returncode == 0,
                 "outputs": outputs}
@@ -337,6 +339,15 @@ class LogMarks:
                 handle.seek(start)
                 texts.append(handle.read().decode(errors="replace"))
         return "".join(texts)
+
+
+def data_targets(workflow: Workflow) -> tuple[str, ...]:
+    """The consolidation rule's outputs: a run through extraction and consolidation only."""
+    return tuple(workflow.targets.consolidated_files())
+
+
+def data_outputs(outputs: dict[str, bytes]) -> dict[str, bytes]:
+    return {name: data for name, data in outputs.items() if name.startswith(("hidden/", "consolidated/"))}
 
 
 def drafter_outputs(outputs: dict[str, bytes]) -> dict[str, bytes]:
@@ -683,7 +694,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
         hidden_bytes = sum(len(v) for k, v in expected.items() if k.startswith("hidden/"))
         for preflight in (True, False):
             outcome = counted(tally, lambda: inject_disk_full(disk, tally, max(hidden_bytes // 2, 1 << 20), preflight))
-            outcome["identical"] = outcome.pop("outputs") == expected
+            outcome["identical"] = outcome.pop("outputs") == data_outputs(expected)
             outcome["kind"] = "disk_full_preflight" if preflight else "disk_full_write"
             disk_full_results.append(outcome)
     elif disk_full:
