@@ -324,6 +324,17 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
     again = train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
                                    expect=EXPECT)
     assert again["acc"] == summary["final_val_acc"] and again["positions"] == summary["final_val_positions"]
+    # The node's command line: the run directory, the configs' train section, a JSON out.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import validate_drafter
+
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"train": SETTINGS, "data": {"max_len": 64}}))
+    out = tmp_path / "validation.json"
+    assert validate_drafter.main(["--run", str(Path(tiny_run["index_path"]).parents[1]), "--drafter",
+                                  str(tmp_path / "drafter"), "--target", tiny_run["target_path"],
+                                  "--config", str(config), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["acc"] == summary["final_val_acc"]
 
 
 def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
