@@ -12,6 +12,7 @@ import torch
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake
 from eaglenest.model import drafter as drafter_lib
 from eaglenest.model import replay, speculate
+from eaglenest.stages import export
 
 SMOLLM2 = REPO / "resources" / "models" / "SmolLM2-135M-Instruct"
 
@@ -326,7 +327,8 @@ def test_greedy_is_lossless_on_smollm2_with_an_untrained_drafter(smollm2, tmp_pa
 
 
 def trained_drafters() -> list[Path]:
-    """EAGLENEST_TRAINED_DRAFTER (a drafter directory) or the demo's results/*/train/drafter."""
+    """EAGLENEST_TRAINED_DRAFTER (a drafter directory or an export, e.g. the one in docs/results/) or the
+    demo's results/*/train/drafter."""
     if os.environ.get("EAGLENEST_TRAINED_DRAFTER"):
         return [Path(os.environ["EAGLENEST_TRAINED_DRAFTER"])]
     return sorted(p.parent for p in REPO.glob("results/*/train/drafter/model.safetensors"))
@@ -335,7 +337,7 @@ def trained_drafters() -> list[Path]:
 @pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
 def test_greedy_is_lossless_on_smollm2_with_the_trained_drafter(smollm2):
     target, tokenizer = smollm2
-    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(trained_drafters()[0]).eval()
+    drafter = export.load_any_drafter(trained_drafters()[0], SMOLLM2).eval()
     stats = assert_lossless_on_smollm2(target, tokenizer, drafter)
     assert stats["tau"] > 1.0, "the trained drafter should get some tokens accepted"
 
@@ -422,7 +424,7 @@ def test_replay_refuses_a_reference_without_lookahead(tiny_pair):
 @pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
 def test_replay_gives_the_decoders_cycles_on_smollm2_with_the_trained_drafter(smollm2):
     target, tokenizer = smollm2
-    drafter = drafter_lib.Eagle3Drafter.from_checkpoint(trained_drafters()[0]).eval()
+    drafter = export.load_any_drafter(trained_drafters()[0], SMOLLM2).eval()
     prompts = [chat_ids(tokenizer, text) for text in SMOLLM2_PROMPTS]
     draftings = [speculate.Drafting(3, 1, 4), speculate.Drafting(4, 4, 10)]
     assert assert_replay_matches_decoding(target, drafter, prompts, draftings, 32) > 0
