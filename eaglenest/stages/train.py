@@ -448,7 +448,10 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     val_set = loader.open_split(index_path, split_path, "val", expect)
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
     top_draft_id = int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
-    model = export.load_any_drafter(drafter_path, target_path).to(device).eval()
+    model = export.load_any_drafter(drafter_path, target_path)
+    if not torch.equal(model.t2d, draft_vocab["t2d"].to(model.t2d.dtype)):
+        raise ValueError(f"{drafter_path}: its draft vocabulary is not the run's ({draft_vocab_path})")
+    model = model.to(device).eval()
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"])
     return validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
