@@ -335,6 +335,17 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
                                   str(tmp_path / "drafter"), "--target", tiny_run["target_path"],
                                   "--config", str(config), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["acc"] == summary["final_val_acc"]
+    # Another draft vocabulary (one token swapped for one outside it) is refused, not scored.
+    from eaglenest.formats import vocab
+
+    other = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    t2d, inside, outside = other["t2d"].clone(), int(other["t2d"].nonzero()[0]), int((~other["t2d"]).nonzero()[0])
+    t2d[inside], t2d[outside] = False, True
+    d2t = t2d.nonzero().squeeze(-1) - torch.arange(int(t2d.sum()))
+    vocab.save_draft_vocab(tmp_path / "other_vocab.safetensors", d2t, t2d, other["token_counts"], {})
+    with pytest.raises(ValueError, match="draft vocabulary is not the run's"):
+        train.validate_drafter(tmp_path / "drafter", tiny_run["index_path"], tmp_path / "other_vocab.safetensors",
+                               tiny_run["split_path"], tiny_run["target_path"], settings=SETTINGS)
 
 
 def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
