@@ -6,6 +6,8 @@
 #   bash benchmarks/h200_run9.sh bench   first, alone on the GPU: the step at the run's shape,
 #                                        eager (beside its plain eager ceiling) then with
 #                                        train.compile (logs/h200/bench/*.json, BENCH_DONE)
+#   bash benchmarks/h200_run9.sh kimi    the Kimi-shaped step (1 x 4,096), eager beside its ceiling,
+#                                        then with train.compile (about 5 minutes)
 #   TRAIN_END=<unix time> bash benchmarks/h200_run9.sh run
 #       1. convert the GGUF (CPU, beside the benchmark); after it, prepare, extract and
 #          consolidate (--until consolidate);
@@ -29,6 +31,15 @@ if [ "${1:-}" = bench ]; then
   timed bench-compile timeout 420 python3 benchmarks/train_throughput.py "${SHAPE[@]}" --compile --steps 10 --warmup 4 \
     --out $BENCH/train_throughput_h200_smollm2_run9_compile.json
   touch logs/h200/BENCH_DONE
+  exit 0
+fi
+
+if [ "${1:-}" = kimi ]; then  # the Kimi-shaped step with the one-pass loss, eager beside its ceiling, then compiled
+  KIMI=(--shape kimi --rows 1 --token-budget 4096 --sample-len 4096 --steps 8 --warmup 3)
+  timed bench-kimi timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --ceiling \
+    --out $BENCH/train_throughput_h200_kimi_eager.json
+  timed bench-kimi-compile timeout 420 python3 benchmarks/train_throughput.py "${KIMI[@]}" --compile \
+    --out $BENCH/train_throughput_h200_kimi_compile.json
   exit 0
 fi
 
