@@ -225,9 +225,8 @@ def warm_start(model: drafter_lib.Eagle3Drafter, source, target_path) -> str:
     start = export.load_any_drafter(source, target_path)
     differ = [f"{name} {getattr(start.config, name)} != {getattr(model.config, name)}"
               for name in _SHAPE_FIELDS if getattr(start.config, name) != getattr(model.config, name)]
-    for name in ("d2t", "t2d"):
-        if not differ and not torch.equal(getattr(start, name).cpu(), getattr(model, name).cpu()):
-            differ.append(f"{name} (the draft vocabulary) differs")
+    if not differ and not same_draft_vocab(start, {"d2t": model.d2t, "t2d": model.t2d}):
+        differ.append("d2t/t2d (the draft vocabulary) differs")
     if differ:
         raise ValueError(f"train.init_from {source}: not this run's drafter shape: {'; '.join(differ)}")
     weights = {name: t for name, t in start.trainable_state_dict().items() if name not in ("d2t", "t2d")}
@@ -235,11 +234,25 @@ def warm_start(model: drafter_lib.Eagle3Drafter, source, target_path) -> str:
     for name, tensor in sorted(weights.items()):
         digest.update(name.encode())
         digest.update(shards.tensor_sha256(tensor.float()).encode())
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            model.state_dict()[name].copy_(tensor)
+    model.load_state_dict(weights, strict=False)  # the embedding and the vocabulary buffers stay this run's
     log.info("warm start from %s (weights %s)", source, digest.hexdigest()[:16])
     return digest.hexdigest()
+
+
+def same_draft_vocab(drafter: drafter_lib.Eagle3Drafter, draft_vocab: dict) -> bool:
+    """Whether the drafter's draft vocabulary (its d2t and t2d buffers) is ``draft_vocab``'s."""
+    return all(torch.equal(getattr(drafter, name).cpu(), draft_vocab[name].cpu().to(getattr(drafter, name).dtype))
+               for name in ("d2t", "t2d"))
+
+
+def most_frequent_draft_id(draft_vocab: dict) -> int:
+    """The draft id of the most frequent token: validation's chance level guesses it every time."""
+    return int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
+
+
+def hidden_dtype_on(device: torch.device) -> torch.dtype:
+    """The dtype hidden states are fed in: bf16 on a GPU (autocast), float32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
@@ -444,12 +457,12 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
 
     settings = settings_lib.section(settings, "train")
     device = resolve_device(settings["device"], 0)
-    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden_dtype = hidden_dtype_on(device)
     val_set = loader.open_split(index_path, split_path, "val", expect)
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
-    top_draft_id = int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
+    top_draft_id = most_frequent_draft_id(draft_vocab)
     model = export.load_any_drafter(drafter_path, target_path)
-    if not torch.equal(model.t2d, draft_vocab["t2d"].to(model.t2d.dtype)):
+    if not same_draft_vocab(model, draft_vocab):
         raise ValueError(f"{drafter_path}: its draft vocabulary is not the run's ({draft_vocab_path})")
     model = model.to(device).eval()
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
@@ -511,7 +524,7 @@ def _train(
     torch.set_num_threads(settings["threads"])
     if device.type == "cpu" and settings["deterministic"]:
         torch.use_deterministic_algorithms(True)
-    hidden_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hidden_dtype = hidden_dtype_on(device)
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if rank == 0:
@@ -520,7 +533,7 @@ def _train(
     train_set = loader.open_split(index_path, split_path, "train", expect)
     val_set = loader.open_split(index_path, split_path, "val", expect)
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
-    top_draft_id = int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
+    top_draft_id = most_frequent_draft_id(draft_vocab)
 
     model = drafter_lib.build_drafter(
         target_path, draft_vocab, train_set.layer_ids, target_name=target_name, seed=settings["seed"],
