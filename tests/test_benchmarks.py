@@ -67,3 +67,35 @@ def test_train_throughput_writes_every_sample_when_fewer_than_a_shard_holds(tmp_
     hidden, prepared = train_throughput.write_shards(tmp_path, shape, samples=11, sample_len=16, per_shard=8, seed=0)
     counts = [len(shards.ShardReader.open(path).sample_ids) for path in hidden]
     assert counts == [8, 3] and len(prepared) == 2
+
+
+def _curve(steps: int, epochs: int, accs: list[float]) -> dict:
+    """A training curve as train writes one: epochs counted from 0, a validation every few steps."""
+    per_epoch = steps // epochs
+    return {
+        "summary": {"steps": steps},
+        "train": [{"step": s, "epoch": (s - 1) // per_epoch, "lr": 1e-3 * s / steps} for s in range(1, steps + 1)],
+        "val": [{"step": (i + 1) * steps // len(accs), "acc": [a] * 7} for i, a in enumerate(accs)],
+    }
+
+
+def test_warm_start_chain_puts_each_run_after_the_epochs_before_it(tmp_path):
+    """Run a (2 epochs of 10 steps) then run b (a gzipped curve, 1 epoch of 4 steps): b's
+    validations land at epochs 2.5 and 3, and b's start is marked at epoch 2."""
+    import gzip
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import plot_warm_start_chain
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "training_curve.json").write_text(json.dumps(_curve(20, 2, [0.1, 0.2])))
+    (tmp_path / "b").mkdir()
+    with gzip.open(tmp_path / "b" / "training_curve.json.gz", "wt") as handle:
+        json.dump(_curve(4, 1, [0.3, 0.4]), handle)
+    points, rates, starts = plot_warm_start_chain.chain([tmp_path / "a", tmp_path / "b"])
+    assert [(p["run"], p["epoch"], p["acc"][0]) for p in points] == [
+        ("a", 1.0, 0.1), ("a", 2.0, 0.2), ("b", 2.5, 0.3), ("b", 3.0, 0.4)]
+    assert starts == [0.0, 2.0]
+    assert rates[-1] == (3.0, 1e-3)
+    plot_warm_start_chain.main(str(tmp_path / "chain.png"), str(tmp_path / "a"), str(tmp_path / "b"))
+    assert (tmp_path / "chain.png").stat().st_size > 0
