@@ -288,9 +288,9 @@ def bench_ceiling(name: str, args, device: torch.device) -> dict:
             for j in range(args.ttt_length):
                 normed, hidden = plain_layer(model, ids, hidden, positions + j)
                 loss = loss + F.cross_entropy(model.lm_head(normed).flatten(0, 1), labels)
-        optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # as eaglenest's step: no gradients held through the forward pass
 
     if device.type == "cuda":
         torch.cuda.empty_cache()

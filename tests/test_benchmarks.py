@@ -99,3 +99,27 @@ def test_warm_start_chain_puts_each_run_after_the_epochs_before_it(tmp_path):
     assert rates[-1] == (3.0, 1e-3)
     plot_warm_start_chain.main(str(tmp_path / "chain.png"), str(tmp_path / "a"), str(tmp_path / "b"))
     assert (tmp_path / "chain.png").stat().st_size > 0
+
+
+def test_train_memory_counts_the_optimizer_exactly_and_recompute_lowers_the_peak(tmp_path):
+    """The memory model of a step (fake tensors, CPU): AdamW's two float32 moments of every
+    trainable parameter are live at the peak, byte for byte, and train.recompute_steps keeps less
+    of the forward pass alive than the plain unroll on the same rows."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_memory
+
+    shape = train_memory.train_throughput.shape_of("smollm2", None)
+    plain = train_memory.model_step(shape, rows=2, row_tokens=256, ttt_length=3, recompute_steps=False)
+    recomputed = train_memory.model_step(shape, rows=2, row_tokens=256, ttt_length=3, recompute_steps=True)
+    moments = 2 * 4 * plain["trainable_parameters"]
+    assert abs(plain["live_at_peak_gib_by_phase_made"]["optimizer"] * train_memory.GIB - moments) < 1024
+    assert plain["peak_gib"] * train_memory.GIB > moments + 4 * plain["trainable_parameters"]
+    forward = {name: run["live_at_peak_gib_by_phase_made"].get("forward", 0.0) for name, run in
+               (("plain", plain), ("recomputed", recomputed))}
+    assert forward["recomputed"] < forward["plain"], forward
+    assert recomputed["peak_gib"] < plain["peak_gib"]
+    out = tmp_path / "memory.json"
+    train_memory.main(["--shape", "smollm2", "--rows", "1", "--token-budget", "128", "--ttt-length", "2",
+                       "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["shape"] == "smollm2" and run["live_at_peak"][0]["gib"] >= run["live_at_peak"][-1]["gib"]

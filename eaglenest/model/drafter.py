@@ -325,18 +325,27 @@ def dense_context_attention(q, k, v, mask, group: int) -> tuple[torch.Tensor, to
 def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
     """Softmax attention over [context keys ; one diagonal key per draft step], exactly, from
     the context part's output and log-sum-exp and the diagonal scores (dot products at each
-    query's own position): no [T, j*T] matrix that would be almost all masked."""
-    scale = q.shape[-1] ** -0.5
-    q32 = q.float()
-    diagonal = torch.stack([(q32 * _repeat_kv(k, group).float()).sum(-1) * scale for k in draft_k], dim=-1)
+    query's own position): no [T, j*T] matrix that would be almost all masked.
+
+    The query heads are grouped under their key/value head, so the diagonal keys and values are
+    read as they are: repeated per query head in float32, each would be a [heads, T, head_dim]
+    copy kept for the backward pass (j keys and j values at step j; for the Kimi-shaped drafter,
+    most of the step's attention memory, benchmarks/train_memory.py)."""
+    batch, heads, length, dim = q.shape
+    scale = dim**-0.5
+    q32 = q.float().view(batch, heads // group, group, length, dim)
+    # Broadcast over the group: the products are temporaries, autograd keeps q32 and each small k.
+    diagonal = torch.stack([(q32 * k.float().unsqueeze(2)).sum(-1) for k in draft_k], dim=-1)
+    diagonal = diagonal.flatten(1, 2) * scale
     # Any common shift is exact; the max keeps exp() in range. No gradient flows through it.
     shift = torch.maximum(context_lse, diagonal.amax(-1)).detach()
     context_weight = torch.exp(context_lse - shift)
     diagonal_weight = torch.exp(diagonal - shift[..., None])
     total = context_weight + diagonal_weight.sum(-1)
     out = context_out.float() * (context_weight / total)[..., None]
+    shares = (diagonal_weight / total[..., None]).view(batch, heads // group, group, length, len(draft_v))
     for i, v in enumerate(draft_v):
-        out = out + (diagonal_weight[..., i] / total)[..., None] * _repeat_kv(v, group).float()
+        out = out + (shares[..., i, None] * v.float().unsqueeze(2)).reshape(batch, heads, length, dim)
     return out.to(q.dtype)
 
 

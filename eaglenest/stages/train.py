@@ -665,10 +665,13 @@ def _train(
             # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
             loss = sum(w * ce * world_size / global_counts[j].clamp(min=1.0)
                        for j, (w, (ce, _, _)) in enumerate(zip(decay_weights, results)))
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
             optimizer.step()
+            # Free the gradients now, not before the next backward pass: kept, they would sit through
+            # the next forward pass, at its peak (3.6 GiB for the Kimi-shaped drafter,
+            # benchmarks/train_memory.py).
+            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             stats = torch.cat([
                 torch.stack([torch.as_tensor(ce, device=device).detach().to(torch.float64) for ce, _, _ in results]),
