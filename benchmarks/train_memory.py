@@ -108,8 +108,11 @@ class LiveStorages(TorchDispatchMode):
         return out
 
 
-def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompute_steps: bool, steps: int = 2) -> dict:
-    """Run ``steps`` training steps of ``rows`` full rows under fake tensors; the peak and its breakdown."""
+def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompute_steps: bool, steps: int = 2,
+               embedding_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Run ``steps`` training steps of ``rows`` full rows under fake tensors; the peak and its breakdown.
+    ``embedding_dtype``: the dtype the target stores its embedding in, which build_drafter keeps
+    for the frozen copy when it is a half precision (Kimi-K2.5's: bf16)."""
     config = train_throughput.drafter_config(shape)
     tokens = rows * row_tokens
     module_stack: list[str] = []
@@ -127,6 +130,9 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
     try:
         with FakeTensorMode(), counter:
             model = drafter.Eagle3Drafter(config)  # float32 weights, the embedding frozen: as _train has them
+            if embedding_dtype in (torch.bfloat16, torch.float16):  # as build_drafter keeps a half-precision target's
+                model.embed_tokens.weight = torch.nn.Parameter(
+                    torch.empty(config.vocab_size, config.hidden_size, dtype=embedding_dtype), requires_grad=False)
             names.update({id(module): name or "drafter" for name, module in model.named_modules()})
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
@@ -196,6 +202,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ttt-length", type=int, default=7)
     parser.add_argument("--recompute-steps", action="store_true", help="train.recompute_steps")
     parser.add_argument("--draft-vocab", type=int, help="the draft vocabulary (default: the shape's)")
+    parser.add_argument("--embedding-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the dtype the target stores its embedding in (Kimi-K2.5: bfloat16)")
     parser.add_argument("--show", type=int, default=20, help="rows of the breakdown printed")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -203,7 +211,7 @@ def main(argv=None) -> None:
     for name in args.shape or ["kimi"]:
         started = time.perf_counter()
         result = model_step(train_throughput.shape_of(name, args), args.rows, args.token_budget, args.ttt_length,
-                            args.recompute_steps)
+                            args.recompute_steps, embedding_dtype=getattr(torch, args.embedding_dtype))
         result.update(shape=name, model_seconds=time.perf_counter() - started)
         print_table(result, name, args.show)
         results.append(result)

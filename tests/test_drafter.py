@@ -221,6 +221,30 @@ def test_build_drafter_copies_embedding_head_rows_and_norm_from_target(tiny_llam
     assert torch.equal(model.draft_to_target(torch.arange(64)), vocab.draft_to_target(d2t))
 
 
+def test_a_bf16_target_gives_a_bf16_embedding_with_the_same_values_and_logits(tiny_llama, tmp_path):
+    """The frozen embedding stays in the half precision the target stores it in (half the GPU
+    memory); its values, and so the drafter's logits, are those of a float32 copy."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    half = tmp_path / "bf16-target"
+    shutil.copytree(tiny_llama, half)
+    weights = load_file(str(tiny_llama / "model.safetensors"))
+    save_file({name: t.bfloat16() for name, t in weights.items()}, str(half / "model.safetensors"))
+    counts = torch.randint(0, 100, (weights["model.embed_tokens.weight"].shape[0],))
+    d2t, t2d = vocab.build_draft_vocab(counts, 64)
+    model = drafter.build_drafter(half, {"d2t": d2t, "t2d": t2d}, [2, 3, 3])
+    assert drafter.build_drafter(tiny_llama, {"d2t": d2t, "t2d": t2d}, [2, 3, 3]).embed_tokens.weight.dtype == torch.float32
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and not model.embed_tokens.weight.requires_grad
+    assert torch.equal(model.embed_tokens.weight, weights["model.embed_tokens.weight"].bfloat16())
+    widened = drafter.build_drafter(half, {"d2t": d2t, "t2d": t2d}, [2, 3, 3])
+    widened.embed_tokens.float()
+    ids = torch.randint(0, counts.numel(), (2, 7))
+    aux = torch.randn(2, 7, 3 * model.config.target_hidden_size)
+    assert torch.equal(model(ids, aux)[0], widened(ids, aux)[0])
+
+
 def test_draft_vocab_that_does_not_fit_the_config_is_refused():
     model = tiny_drafter()
     with pytest.raises(ValueError, match="does not match the config"):
