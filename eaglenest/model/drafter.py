@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eaglenest.formats import atomic
-from eaglenest.formats.shards import tensor_sha256
+from eaglenest.formats.shards import SAFETENSORS_DTYPE_NAMES, tensor_sha256
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -546,9 +546,6 @@ def _find(files: dict[str, Path], suffix: str) -> str | None:
     return matches[0] if matches else None
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-
-
 def target_embedding_dtype(target_path: str | os.PathLike) -> torch.dtype | None:
     """The dtype the target's token embedding is stored in (read from the file header), or None."""
     files = _weight_files(Path(target_path))
@@ -556,7 +553,8 @@ def target_embedding_dtype(target_path: str | os.PathLike) -> torch.dtype | None
     if name is None:
         return None
     with safe_open(files[name], framework="pt") as handle:
-        return _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
+        stored = handle.get_slice(name).get_dtype()
+    return next((dtype for dtype, label in SAFETENSORS_DTYPE_NAMES.items() if label == stored), None)
 
 
 def load_target_rows(target_path: str | os.PathLike, which: str, rows: torch.Tensor | None = None) -> torch.Tensor:
