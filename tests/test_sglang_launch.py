@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
+from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
 from eaglenest.stages import extract
 from eaglenest.formats import shards
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
-from test_sglang_protocol import start_standin
+from test_sglang_protocol import standin, start_standin  # noqa: F401 (standin: a fixture)
 
 
 def test_plugin_record_is_found_by_the_entry_point_loader_sglang_uses(tmp_path):
@@ -99,3 +101,51 @@ def test_dry_run_of_a_tensor_parallel_8_sglang_config_plans_gpu_resources(tmp_pa
     result = run_snakemake(tmp_path, configfile, "-n", "-p", "--cores", "all", "--resources", "gpu=8")
     output = result.stdout + result.stderr
     assert "rule extract_hidden_states" in output and "gpu=8" in output
+
+
+def test_service_ports_are_picked_free_and_below_the_ephemeral_range():
+    low, _ = sglang_launch.ephemeral_port_range()
+    for _ in range(5):
+        host, port = sglang_launch.url_port(sglang_launch.url_with_free_port("http://127.0.0.1:30000"))
+        assert host == "127.0.0.1" and sglang_launch.port_is_free(host, port)
+        if low > sglang_launch.SERVICE_PORTS_FROM:
+            assert sglang_launch.SERVICE_PORTS_FROM <= port < low
+
+
+def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server_starts_on_another(tmp_path, tiny_llama, standin):
+    """Another launch's server (same target, same layers) took the port this launcher picked
+    before its own server bound it: the launcher must not take that server for its own, and
+    starts its server again on another port once it has died on the taken one."""
+    other, taken_url, _ = standin()
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
+    sglang = {"standin": True, "spool_dir": str(tmp_path / "launcher-spool")}
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
+    service_file = workdir / "block.json"
+    service_file.touch()
+    script = (
+        "import functools, sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
+        f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
+        "command_for = functools.partial(launch.standin_command, launch.capture_settings(config));"
+        f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), command_for=command_for, url={taken_url!r}, "
+        f"service_file={str(service_file)!r}, repick_port=True))"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120, poll_s=0.2)
+        assert record["url"] != taken_url
+        own = sglang_client.identify_server(record["url"])
+        assert own["launch_token"] == record["info"]["launch_token"] and own["spool_dir"] == sglang["spool_dir"]
+        assert sglang_client.identify_server(taken_url)["launch_token"] is None  # the other one, still serving
+        with pytest.raises(sglang_client.SglangServerError, match="not the one this launcher started"):
+            sglang_client.check_server(taken_url, "tiny-llama", [2, 3, 4], 64, launch_token=own["launch_token"])
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        stderr = launcher.communicate(timeout=90)[1]
+    assert launcher.returncode == 0, stderr
+    assert f"another process took {taken_url} before the server bound it; starting again on {record['url']}" in stderr
+    assert not service_file.exists() and other.poll() is None

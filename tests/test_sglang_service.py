@@ -44,6 +44,17 @@ def service_run(tmp_path: Path, tiny_llama: Path) -> tuple[Path, Path, Path]:
     return workdir, configfile, spool
 
 
+def run_logs(workdir: Path, tail: int = 3000) -> str:
+    """The ends of the launcher and shard logs and Snakemake's error lines, for a failed run."""
+    parts = []
+    for log in sorted((workdir / "logs" / "tiny").glob("**/*.log")) + sorted((workdir / ".snakemake" / "log").glob("*.log")):
+        text = log.read_text(errors="replace")
+        if log.parent.name == "log":  # Snakemake's own: where it says what failed
+            text = "\n".join(line for line in text.splitlines() if "rror" in line or "Missing" in line)
+        parts.append(f"--- {log.relative_to(workdir)}\n{text[-tail:]}")
+    return "\n".join(parts)
+
+
 def hidden(workdir: Path, shard: str) -> Path:
     return workdir / "results" / "tiny" / "hidden" / f"shard-{shard}.safetensors"
 
@@ -176,7 +187,7 @@ def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_
         if process.poll() is None and killed is None:
             os.killpg(process.pid, signal.SIGKILL)
         output = process.communicate(timeout=60)[0]
-    assert killed, f"never saw one block finished while the other's server ran:\n{output[-4000:]}"
+    assert killed, f"never saw one block finished while the other's server ran:\n{output[-4000:]}\n{run_logs(workdir)}"
     finished, running, server_pid = killed
     # The server is in a session of its own, out of reach of the kill; it dies with its
     # launcher (parent-death signal), and nothing of the run is left.

@@ -97,9 +97,18 @@ def identify_server(url: str, timeout: float = 10.0) -> dict:
     )
 
 
-def check_server(url: str, target_name: str, layer_ids: list[int], hidden_size: int, timeout: float = 10.0) -> dict:
-    """Refuse a patched server that serves another target, other layers or another patch version."""
+def check_server(
+    url: str, target_name: str, layer_ids: list[int], hidden_size: int, timeout: float = 10.0, launch_token: str | None = None
+) -> dict:
+    """Refuse a patched server that serves another target, other layers or another patch version;
+    with ``launch_token``, also one that another launcher started (one answering on the port
+    that this launcher's server has not bound yet)."""
     info = identify_server(url, timeout)
+    if launch_token is not None and info.get("launch_token") != launch_token:
+        raise SglangServerError(
+            f"the patched SGLang server at {url} is not the one this launcher started "
+            f"(launch token {info.get('launch_token')!r}); another server holds the port"
+        )
     expected = {
         "patch_version": sglang_patch.PATCH_VERSION,
         "target": target_name,

@@ -40,8 +40,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import os
+import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -148,14 +151,53 @@ def standin_command(capture: dict, url: str, python: str = sys.executable) -> li
     ]
 
 
-def url_with_free_port(url: str) -> str:
-    """``url`` on a port nobody listens on now: servers of two blocks may share a node."""
+# Where a service's port is picked: below the kernel's ephemeral range, from which every
+# outgoing connection (the shard jobs' requests among them) takes its local port. A server
+# binds its port only after loading the target, minutes after the pick; a port from that
+# range could meanwhile become the local end of some connection.
+SERVICE_PORTS_FROM = 10000
+# How often a service starts its server again on another port when the picked one was taken.
+PORT_ATTEMPTS = 3
+
+
+def ephemeral_port_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    try:
+        low, high = map(int, Path(path).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def url_with_free_port(url: str, rng: random.Random | None = None) -> str:
+    """``url`` on a port nobody holds now, outside the ephemeral range where there is room:
+    servers of two blocks may share a node, and so may other runs' servers and clients."""
     address = urllib.parse.urlsplit(url)
     host = address.hostname or "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    low, _ = ephemeral_port_range()
+    candidates = list(range(SERVICE_PORTS_FROM, low))
+    (rng or random.SystemRandom()).shuffle(candidates)
+    for port in candidates[:200]:
+        if port_is_free(host, port):
+            break
+    else:  # no room below the range (or all of it held): any port the kernel has free
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
     return f"{address.scheme or 'http'}://{host}:{port}"
+
+
+def url_port(url: str) -> tuple[str, int]:
+    address = urllib.parse.urlsplit(url)
+    return address.hostname or "127.0.0.1", address.port or 30000
 
 
 def write_plugin_record(state_dir: str | os.PathLike) -> Path:
@@ -180,19 +222,27 @@ def server_environment(capture: dict, plugin_dir: Path, base=os.environ) -> dict
     return env
 
 
+class ServerExitedError(sglang_client.SglangServerError):
+    """The server process ended before it answered as ours."""
+
+
 def wait_until_ready(url: str, process: subprocess.Popen, capture: dict, timeout_s: float, log_path: Path, poll_s: float = 1.0) -> dict:
-    """Poll /eaglenest/info until the server answers as ours; fail early when it exits."""
+    """Poll /eaglenest/info until the server answers as ours (with this start's launch token,
+    when the capture settings carry one); fail early when it exits."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
     while time.monotonic() < deadline:
         if process.poll() is not None:
             tail = log_path.read_text(errors="replace")[-4000:] if log_path.exists() else ""
-            raise sglang_client.SglangServerError(
+            raise ServerExitedError(
                 f"the SGLang server exited with code {process.returncode} before it was ready; "
                 f"last lines of {log_path}:\n{tail}"
             )
         try:
-            return sglang_client.check_server(url, capture["target"], capture["layer_ids"], capture["hidden_size"])
+            return sglang_client.check_server(
+                url, capture["target"], capture["layer_ids"], capture["hidden_size"],
+                launch_token=capture.get("launch_token"),
+            )
         except sglang_client.SglangServerError as err:
             last_error = str(err)
         time.sleep(poll_s)
@@ -308,22 +358,27 @@ def serve(
     config: dict,
     state_dir: Path,
     python: str = sys.executable,
-    command: list[str] | None = None,
+    command_for=None,
     url: str | None = None,
     service_file: str | os.PathLike | None = None,
     gpus: int = 0,
+    repick_port: bool = False,
 ) -> int:
     """Start the server, wait for it, then stay in the foreground until it exits or we are stopped.
 
-    ``command`` replaces the SGLang command (the stand-in server); ``url`` replaces
+    ``command_for(url)`` replaces the SGLang command (the stand-in server); ``url`` replaces
     extract.sglang.url; ``service_file`` publishes the state for the block's shard jobs;
-    ``gpus`` > 0 holds that many GPU slots of the node for the server's lifetime."""
+    ``gpus`` > 0 holds that many GPU slots of the node for the server's lifetime;
+    ``repick_port``: the port was picked here, and a server that dies because another
+    process took it meanwhile is started again on another (PORT_ATTEMPTS in all)."""
     settings = sglang_settings(config)
-    capture = capture_settings(config)
+    # A token per start, answered by /eaglenest/info: a server that another launcher
+    # started on the same port is never taken for this one.
+    capture = {**capture_settings(config), "launch_token": secrets.token_hex(8)}
     url = url or settings["url"]
     state_dir.mkdir(parents=True, exist_ok=True)
     Path(capture["spool_dir"]).mkdir(parents=True, exist_ok=True)
-    command = command or launch_command(config, capture, python, url)
+    command_for = command_for or (lambda server_url: launch_command(config, capture, python, server_url))
     env = server_environment(capture, write_plugin_record(state_dir))
     log_path = state_dir / "server.log"
     stopping = False
@@ -362,26 +417,34 @@ def serve(
     # Where the server runs, for whoever reads this log after a node or GPU failure.
     print(
         f"host {socket.gethostname()} CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')} "
-        f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')}\nstarting: {' '.join(command)}\nlog: {log_path}",
+        f"SLURM_JOB_ID={env.get('SLURM_JOB_ID')}",
         file=sys.stderr, flush=True,
     )
-    with open(log_path, "ab") as server_log:
-        launcher_pid = os.getpid()
-        process = subprocess.Popen(
-            command, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=lambda: _sigterm_when_parent_dies(launcher_pid),
-        )
-    if stopping:  # the signal came before there was a server to stop
-        _stop_process_group(process)
-        return stopped("stopped while the server was starting")
-    try:
-        info = wait_until_ready(url, process, capture, settings["startup_timeout_s"], log_path)
-    except BaseException as err:
-        _stop_process_group(process)
-        if stopping:
-            return stopped("stopped before the server was ready")
-        publish("failed", error=str(err).splitlines()[0])
-        raise
+    launcher_pid = os.getpid()
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        command = command_for(url)
+        print(f"starting: {' '.join(command)}\nlog: {log_path}", file=sys.stderr, flush=True)
+        with open(log_path, "ab") as server_log:
+            process = subprocess.Popen(
+                command, env=env, stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=lambda: _sigterm_when_parent_dies(launcher_pid),
+            )
+        if stopping:  # the signal came before there was a server to stop
+            _stop_process_group(process)
+            return stopped("stopped while the server was starting")
+        try:
+            info = wait_until_ready(url, process, capture, settings["startup_timeout_s"], log_path)
+            break
+        except BaseException as err:
+            _stop_process_group(process)
+            if stopping:
+                return stopped("stopped before the server was ready")
+            port_taken = isinstance(err, ServerExitedError) and not port_is_free(*url_port(url))
+            if not (repick_port and port_taken and attempt < PORT_ATTEMPTS):
+                publish("failed", error=str(err).splitlines()[0])
+                raise
+            taken_url, url = url, url_with_free_port(url)
+            print(f"another process took {taken_url} before the server bound it; starting again on {url}", file=sys.stderr, flush=True)
     (state_dir / "server.json").write_text(json.dumps({"pid": process.pid, "url": url, "info": info}, indent=2))
     publish("ready", server_pid=process.pid, info=info)
     print(f"ready: {url} {json.dumps(info)}", file=sys.stderr, flush=True)
@@ -412,12 +475,13 @@ def main(argv=None) -> int:
         capture = capture_settings(config)
         url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
         if settings["standin"]:
-            command = standin_command(capture, url)
+            command_for = functools.partial(standin_command, capture)
         else:
             # The flags depend on the sglang of this env; without one, the pinned version's.
-            command = launch_command(config, capture, url=url, sglang_version=installed_sglang_version() or sglang_patch.SGLANG_VERSION)
+            version = installed_sglang_version() or sglang_patch.SGLANG_VERSION
+            command_for = lambda server_url: launch_command(config, capture, url=server_url, sglang_version=version)  # noqa: E731
         if options.print_command:
-            print(" ".join(command))
+            print(" ".join(command_for(url)))
             print(f"{sglang_patch.SETTINGS_ENV}={json.dumps(capture)}")
             return 0
         if not settings["standin"]:
@@ -428,7 +492,10 @@ def main(argv=None) -> int:
         raise
     # A service holds the GPUs it runs on; the stand-in computes on the CPU.
     gpus = capture["tensor_parallel"] if options.service_file and not settings["standin"] else 0
-    return serve(config, state_dir, command=command, url=url, service_file=options.service_file, gpus=gpus)
+    return serve(
+        config, state_dir, command_for=command_for, url=url, service_file=options.service_file, gpus=gpus,
+        repick_port=bool(options.service_file),
+    )
 
 
 def installed_sglang_version() -> str | None:

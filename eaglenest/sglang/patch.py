@@ -191,6 +191,8 @@ def server_info(settings: dict, sglang_version: str) -> dict:
         "sglang_layer_ids": settings["sglang_layer_ids"],
         "tensor_parallel": settings.get("tensor_parallel", 1),
         "spool_dir": settings["spool_dir"],
+        # Set per start by the launcher: which server answers on a port, not only what it serves.
+        "launch_token": settings.get("launch_token"),
     }
 
 

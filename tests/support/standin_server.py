@@ -60,6 +60,8 @@ class StandinModel:
             "layer_ids": self.layer_ids,
             "sglang_layer_ids": self.layer_ids,
             "tensor_parallel": 1,
+            # What the launcher put in the capture settings, as the patch reads it.
+            "launch_token": (sglang_patch.settings_from_env() or {}).get("launch_token"),
         }
 
     def prefill(self, input_ids: list[int]):
