@@ -156,9 +156,11 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
                     full = chunk @ target_head.T  # one chunk's full-vocabulary logits, as TargetHead makes them
                     del full
                 counter.phase = "forward"
+                # Each step's weight in the loss, known before the forward pass, as _train passes them.
+                step_weights = torch.stack([torch.tensor(0.8 ** j / max(len(p), 1), dtype=torch.float64)
+                                            for j, p in enumerate(positions)])
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    results = objective(batch, target_logits, positions)
-                loss = sum(ce / max(count, 1) for ce, count, _ in results)
+                    loss, results = objective(batch, target_logits, positions, step_weights)
                 counter.phase = "backward"
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)

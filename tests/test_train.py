@@ -224,6 +224,46 @@ def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny
         torch.testing.assert_close(re_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_one_shared_head_gradient_buffer_gives_the_per_step_gradients(tiny_run, recompute):
+    """step_weights: every TTT step adds its head-weight gradient, times its loss weight, to one
+    float32 buffer in the forward pass (draft_loss.SharedHeadGradient) instead of keeping its
+    own. Judged against autograd through each step's own gradient: same loss, CEs, hits, and
+    every parameter's gradient, for an upstream gradient other than one."""
+    from eaglenest.model import drafter as drafter_lib
+    from eaglenest.formats import vocab
+
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
+    batch = train.to_device(loader.RowReader(dataset).batch(rows), torch.device("cpu"), torch.float32)
+    draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+    target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
+    positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 4)
+    step_weights = torch.tensor([0.8 ** j / max(len(p), 1) for j, p in enumerate(positions)], dtype=torch.float64)
+    outcomes = []
+    for shared in (False, True):
+        model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
+        objective = train.TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute, loss_chunk_rows=7)
+        if shared:
+            loss, results = objective(batch, target_logits, positions, step_weights)
+            assert all(not ce.requires_grad for ce, _, _ in results)
+        else:
+            results = objective(batch, target_logits, positions)
+            loss = sum(w * ce for w, (ce, _, _) in zip(step_weights, results))
+        (loss * 3.0).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        outcomes.append((float(loss.detach()), [float(ce) for ce, _, _ in results], [int(h) for _, _, h in results], grads))
+    (loss, ce, hits, grads), (shared_loss, shared_ce, shared_hits, shared_grads) = outcomes
+    assert shared_hits == hits and shared_ce == pytest.approx(ce, rel=1e-6) and shared_loss == pytest.approx(loss, rel=1e-6)
+    assert set(shared_grads) == set(grads) and "lm_head.weight" in grads
+    for name, grad in grads.items():  # float32 sums in another order: within 1e-6 of each gradient's scale
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-5, atol=1e-6 * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert float((shared_grads[name] - grad).norm()) <= 1e-6 * float(grad.norm()), name
+
+
 def test_changed_shard_is_refused_by_the_loader(tiny_run, tmp_path):
     index = json.loads(Path(tiny_run["index_path"]).read_text())
     index["shards"][0]["checksums"]["aux_hidden"] = "0" * 64

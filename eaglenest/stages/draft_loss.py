@@ -63,10 +63,14 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     weight is accumulated in float32 over the chunks."""
 
     @staticmethod
-    def forward(ctx, normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool):
+    def forward(ctx, normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool,
+                shared_weight_grad=None, scale=None):
         ctx.normed_dtype, ctx.weight_dtype = normed.dtype, weight.dtype
         want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with_grad = want_input or want_weight
+        # A shared float32 buffer takes this step's weight gradient, times its loss weight ``scale``,
+        # in place of a [D, H] float32 gradient of its own (SharedHeadGradient).
+        shared = shared_weight_grad is not None
+        with_grad = want_input or want_weight or shared
         compute = _compute_dtype(normed)
         x, w = normed.to(compute), weight.to(compute)
         chunk = _chunk_function(compiled and normed.is_cuda)
@@ -86,6 +90,8 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
                     grad_input[part] = grad_logits @ w
                 if want_weight:
                     grad_weight += grad_logits.T @ x[part]
+                if shared:
+                    shared_weight_grad.addcmul_(grad_logits.T @ x[part], scale)
         ctx.save_for_backward(grad_input, grad_weight)
         ctx.mark_non_differentiable(hits)
         return total, hits
@@ -95,9 +101,52 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_input, grad_weight = ctx.saved_tensors
         scaled_input = None if grad_input is None else (grad_input * grad_total).to(ctx.normed_dtype)
         scaled_weight = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
-        return scaled_input, scaled_weight, None, None, None, None
+        return scaled_input, scaled_weight, None, None, None, None, None, None
 
 
 def head_soft_cross_entropy(normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool = False):
     """(sum of soft CE as a float32 tensor with a gradient, top-1 hits as an int64 tensor)."""
     return HeadSoftCrossEntropy.apply(normed, weight, target_logits, target_ids, chunk_rows, compiled)
+
+
+class _AttachHeadGradient(torch.autograd.Function):
+    """A zero that hands ``buffer`` (the loss's gradient of the head weight, accumulated in the
+    forward pass) to the weight in the backward pass, times the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, buffer):
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(buffer)
+        return buffer.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_zero):
+        (buffer,) = ctx.saved_tensors
+        return (buffer * grad_zero).to(ctx.weight_dtype), None
+
+
+class SharedHeadGradient:
+    """The soft CE of several TTT steps through one head, with one float32 [D, H] gradient buffer
+    for the head's weight instead of one per step (7 x 0.85 GiB for a Kimi-shaped drafter's 32K
+    draft vocabulary, all alive at the backward pass's peak: benchmarks/train_memory.py).
+
+    Each step's loss weight must be known in the forward pass: ``step(…, scale)`` adds
+    ``scale`` x that step's weight gradient to the buffer and returns the step's CE, whose own
+    gradient reaches only the head's input. ``loss(terms)`` is sum(scale x CE) plus a zero
+    that carries the buffer to the weight: the gradients equal autograd's through
+    ``head_soft_cross_entropy`` per step (float32 rounding aside), for any upstream gradient
+    of that loss."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.buffer = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+    def step(self, normed, target_logits, target_ids, chunk_rows: int, scale: torch.Tensor, compiled: bool = False):
+        """(sum of soft CE with a gradient to ``normed`` only, top-1 hits)."""
+        scale = scale.to(device=self.buffer.device, dtype=torch.float32)
+        return HeadSoftCrossEntropy.apply(normed, self.weight.detach(), target_logits, target_ids, chunk_rows,
+                                          compiled, self.buffer, scale)
+
+    def loss(self, terms) -> torch.Tensor:
+        """sum of ``terms`` (each a step's scale x CE) plus the zero that carries the weight's gradient."""
+        return sum(terms) + _AttachHeadGradient.apply(self.weight, self.buffer)

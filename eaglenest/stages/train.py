@@ -174,23 +174,40 @@ class TTTObjective(nn.Module):
         cache.adopt(ran[0])
         return normed, hidden
 
-    def forward(self, batch, target_logits, positions):
+    def forward(self, batch, target_logits, positions, step_weights=None):
         """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows;
-        CE and hits are device tensors (read at log time, not in the step)."""
+        CE and hits are device tensors (read at log time, not in the step).
+
+        With ``step_weights`` ([ttt_length], each step's weight in the loss): (loss, those
+        results), loss = sum_j step_weights[j] x CE_j, its head-weight gradient formed in the
+        forward pass into one buffer for all steps (draft_loss.SharedHeadGradient); the CEs
+        returned are then detached."""
         if batch is None:  # a rank with no row this step still joins DDP's reduction
             zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            return [(zero, 0, zero.detach())] * self.ttt_length
+            results = [(zero, 0, zero.detach())] * self.ttt_length
+            return results if step_weights is None else (zero, [(zero.detach(), 0, h) for _, _, h in results])
+        shared = None
+        if step_weights is not None and torch.is_grad_enabled() and self.drafter.lm_head.weight.requires_grad:
+            shared = draft_loss.SharedHeadGradient(self.drafter.lm_head.weight)
         target_ids = target_logits.argmax(-1)
-        results = []
+        results, terms = [], []
         for j, normed in self.unroll(batch):
             rows = positions[j]
             if rows.numel() == 0:
-                results.append((normed.sum() * 0.0, 0, normed.new_zeros((), dtype=torch.int64)))
-                continue
-            ce, hits = self.step_loss(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j],
-                                      target_ids[rows + 1 + j])
+                ce, hits = normed.sum() * 0.0, normed.new_zeros((), dtype=torch.int64)
+            elif shared is not None:
+                ce, hits = shared.step(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j], target_ids[rows + 1 + j],
+                                       self.loss_chunk_rows, step_weights[j], self.compile_loss)
+            else:
+                ce, hits = self.step_loss(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j],
+                                          target_ids[rows + 1 + j])
             results.append((ce, rows.numel(), hits))
-        return results
+            if step_weights is not None:
+                terms.append(step_weights[j] * ce)
+        if step_weights is None:
+            return results
+        loss = shared.loss(terms) if shared is not None else sum(terms)
+        return loss, [(ce.detach(), count, hits) for ce, count, hits in results]
 
 
 # ---- setup -----------------------------------------------------------------------------------------
@@ -660,11 +677,11 @@ def _train(
             global_counts = torch.tensor(local_counts, dtype=torch.float64).to(device, non_blocking=True)
             if distributed:
                 dist.all_reduce(global_counts)
-            with autocast:
-                results = ddp(batch, target_logits, positions)
             # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
-            loss = sum(w * ce * world_size / global_counts[j].clamp(min=1.0)
-                       for j, (w, (ce, _, _)) in enumerate(zip(decay_weights, results)))
+            step_weights = torch.stack([w * world_size / global_counts[j].clamp(min=1.0)
+                                        for j, w in enumerate(decay_weights)])
+            with autocast:
+                loss, results = ddp(batch, target_logits, positions, step_weights)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
             optimizer.step()
