@@ -245,6 +245,31 @@ def test_a_bf16_target_gives_a_bf16_embedding_with_the_same_values_and_logits(ti
     assert torch.equal(model(ids, aux)[0], widened(ids, aux)[0])
 
 
+@pytest.mark.parametrize("backward_rows", [4096, 5])  # one chunk; 11 chunks, the last short
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_autograd_through_its_expression(dtype, backward_rows, monkeypatch):
+    """drafter.RMSNorm keeps x and the inverse RMS only; judged against autograd through the
+    plain expression (which keeps float32 copies): the same output bit for bit, and the same
+    gradients within float32 rounding."""
+    monkeypatch.setattr(drafter._RMSNorm, "BACKWARD_ROWS", backward_rows)
+    torch.manual_seed(0)
+    x = (torch.randn(3, 17, 64) * torch.linspace(0.1, 4.0, 64)).to(dtype).requires_grad_(True)
+    weight = (1.0 + 0.1 * torch.randn(64)).requires_grad_(True)
+    grad_out = torch.randn(3, 17, 64)
+    norm = drafter.RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    out = norm(x)
+    x32 = x.float()  # once, as the module had it: both uses' gradients meet in float32
+    reference = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert out.dtype == reference.dtype and torch.equal(out, reference)
+    grad_x, grad_w = torch.autograd.grad(out, (x, norm.weight), grad_out)
+    ref_x, ref_w = torch.autograd.grad(reference, (x, weight), grad_out)
+    assert grad_x.dtype == dtype and grad_w.dtype == torch.float32
+    torch.testing.assert_close(grad_x.float(), ref_x.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-5)
+
+
 def test_draft_vocab_that_does_not_fit_the_config_is_refused():
     model = tiny_drafter()
     with pytest.raises(ValueError, match="does not match the config"):
