@@ -245,13 +245,13 @@ def test_a_bf16_target_gives_a_bf16_embedding_with_the_same_values_and_logits(ti
     assert torch.equal(model(ids, aux)[0], widened(ids, aux)[0])
 
 
-@pytest.mark.parametrize("backward_rows", [4096, 5])  # one chunk; 11 chunks, the last short
+@pytest.mark.parametrize("rows", [4096, 5])  # one chunk; 11 chunks, the last short
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_autograd_through_its_expression(dtype, backward_rows, monkeypatch):
+def test_rms_norm_equals_autograd_through_its_expression(dtype, rows, monkeypatch):
     """drafter.RMSNorm keeps x and the inverse RMS only; judged against autograd through the
     plain expression (which keeps float32 copies): the same output bit for bit, and the same
     gradients within float32 rounding."""
-    monkeypatch.setattr(drafter._RMSNorm, "BACKWARD_ROWS", backward_rows)
+    monkeypatch.setattr(drafter, "CHUNK_ROWS", rows)
     torch.manual_seed(0)
     x = (torch.randn(3, 17, 64) * torch.linspace(0.1, 4.0, 64)).to(dtype).requires_grad_(True)
     weight = (1.0 + 0.1 * torch.randn(64)).requires_grad_(True)
@@ -268,6 +268,117 @@ def test_rms_norm_equals_autograd_through_its_expression(dtype, backward_rows, m
     assert grad_x.dtype == dtype and grad_w.dtype == torch.float32
     torch.testing.assert_close(grad_x.float(), ref_x.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps):
+    """drafter.merge_diagonal_keys forms its own gradient, one key/value head's query group at a
+    time; judged against autograd through the same ops (merge_diagonal_keys_autograd): the same
+    output bit for bit and every input's gradient within float32 rounding."""
+    torch.manual_seed(1)
+    batch, kv_heads, group, length, dim = 2, 2, 3, 11, 16
+    leaves = {
+        "context_out": torch.randn(batch, kv_heads * group, length, dim),
+        "context_lse": torch.randn(batch, kv_heads * group, length) * 3,
+        "q": torch.randn(batch, kv_heads * group, length, dim) * 2,
+        **{f"k{i}": torch.randn(batch, kv_heads, length, dim) * 2 for i in range(steps)},
+        **{f"v{i}": torch.randn(batch, kv_heads, length, dim) for i in range(steps)},
+    }
+    leaves = {name: (t if name == "context_lse" else t.to(dtype)).requires_grad_(True) for name, t in leaves.items()}
+    grad_out = torch.randn(batch, kv_heads * group, length, dim)
+
+    def run(merge):
+        keys = [leaves[f"k{i}"] for i in range(steps)]
+        values = [leaves[f"v{i}"] for i in range(steps)]
+        out = merge(leaves["context_out"], leaves["context_lse"], leaves["q"], keys, values, group)
+        return out, torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
+
+    out, grads = run(drafter.merge_diagonal_keys)
+    reference, reference_grads = run(drafter.merge_diagonal_keys_autograd)
+    assert out.dtype == dtype and torch.equal(out, reference)
+    for name, grad, expected in zip(leaves, grads, reference_grads):
+        assert grad.dtype == expected.dtype, name
+        if expected.dtype == torch.float32:  # context_lse stays float32 in both cases
+            atol = 1e-6 * float(expected.abs().max())
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+            assert float((grad - expected).norm()) <= 1e-6 * float(expected.norm()), name
+        else:  # float32 values that differ in their last bits, rounded to bf16: one bf16 step apart at most
+            torch.testing.assert_close(grad.float(), expected.float(), rtol=8e-3, atol=1e-3,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+            assert (grad != expected).float().mean() < 0.1, name
+
+
+@pytest.mark.parametrize("private", [False, True])
+@pytest.mark.parametrize("backward_rows", [4096, 7])  # one chunk; 6 chunks, the last short
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monkeypatch):
+    """The MLP's silu(gate) * up keeps gate and up only and recomputes silu(gate) in the
+    backward pass; ``private`` gate and up (the MLP's own) are replaced by their gradients.
+    Output and gradients equal autograd's through F.silu(gate) * up exactly (float32 in
+    several chunks: to the last bit of a vectorised tail); a second backward is refused."""
+    monkeypatch.setattr(drafter, "CHUNK_ROWS", backward_rows)
+    torch.manual_seed(2)
+    leaves = ((torch.randn(4, 9, 48) * 3).to(dtype).requires_grad_(True), torch.randn(4, 9, 48).to(dtype).requires_grad_(True))
+    grad_out = torch.randn(4, 9, 48).to(dtype)
+    reference = F.silu(leaves[0]) * leaves[1]
+    reference_grads = torch.autograd.grad(reference, leaves, grad_out)
+    gate, up = (leaf * 1 for leaf in leaves) if private else leaves  # private: made for this call alone
+    out = drafter._SwiGLU.apply(gate, up, private)
+    assert torch.equal(out, reference)
+    grads = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+    for grad, expected in zip(grads, reference_grads):
+        assert grad.dtype == expected.dtype
+        if backward_rows == 4096 or dtype == torch.bfloat16:
+            assert torch.equal(grad, expected)
+        else:  # float32 in chunks: the CPU's vectorised silu rounds a row differently at a chunk's tail
+            torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7)
+    if private:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(out, leaves, grad_out)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, leaves, grad_out), grads))
+
+
+def test_compiled_layer_traces_the_drafter_s_own_autograd_functions():
+    """train.compile compiles the drafter's layer; its norms, diagonal-key merge and gate are
+    autograd functions of the drafter's own. On the CPU (inductor), the compiled layer must
+    trace them with no graph break and give the eager layer's logits and gradients."""
+    import torch._dynamo
+
+    from eaglenest.stages import train
+
+    config = drafter.DrafterConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=300, draft_vocab_size=100, target_hidden_size=64, max_position_embeddings=512, aux_layer_ids=[1, 2, 3],
+    )
+    generator = torch.Generator().manual_seed(1)
+    batch = {"input_ids": torch.randint(0, 300, (2, 40), generator=generator),
+             "segment_ids": torch.tensor([[0] * 25 + [1] * 15, [0] * 40]),
+             "position_ids": torch.cat([torch.arange(25), torch.arange(15)]).repeat(2, 1),
+             "aux_hidden": torch.randn(2, 40, 192, generator=generator)}
+    weights = torch.randn(3, 2, 40, 100, generator=generator)
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = drafter.Eagle3Drafter(config)
+        if compiled:
+            model.midlayer.compile(dynamic=False)
+        objective = train.TTTObjective(model, 3, attention_backend="dense")
+        logits = [model.compute_logits(normed) for _, normed in objective.unroll(batch)]
+        sum((w * out).sum() for w, out in zip(weights, logits)).backward()
+        return [out.detach() for out in logits], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (eager_logits, eager_grads), (compiled_logits, compiled_grads) = run(False), run(True)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for eager, compiled in zip(eager_logits, compiled_logits):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert set(compiled_grads) == set(eager_grads)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_draft_vocab_that_does_not_fit_the_config_is_refused():

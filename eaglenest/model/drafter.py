@@ -184,35 +184,63 @@ class DrafterConfig:
         return cls(**values)
 
 
+# Rows a norm or the MLP's gate handles at once outside its matmuls: their float32 (or
+# [rows, intermediate]) temporaries are this many rows' (a module constant, which
+# torch.compile reads as one).
+CHUNK_ROWS = 4096
+
+
+def _cast_for_autocast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype when autocast is on: the cast that each projection reading a
+    norm's float32 output would make, made once. The projections then keep one half-precision
+    copy for the backward pass instead of one each (q/k/v_proj three, gate/up_proj two: 2.6 GiB
+    fewer per TTT step at 32,768 tokens of a Kimi-shaped drafter), and no float32 [T, H] copy
+    outlives the norm. The values are the same; the consumers' input gradients meet in that
+    dtype before the norm's backward pass widens them."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class _RMSNorm(torch.autograd.Function):
     """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in float32, keeping only
     x and the inverse RMS for the backward pass. Autograd's graph of the same expression keeps
     a float32 copy of x and the normalised x too, 6 bytes a value: 1.3 GiB per norm at 32,768
     tokens of a Kimi-shaped drafter (H 7,168), four norms per TTT step
-    (benchmarks/train_memory.py). The forward pass is those ops exactly; the backward pass
-    recomputes x32 and the normalised x, BACKWARD_ROWS rows at a time (its float32 temporaries
-    are per chunk), and forms the gradient in closed form."""
-
-    BACKWARD_ROWS = 4096
+    (benchmarks/train_memory.py). The forward pass is those ops exactly, CHUNK_ROWS rows at a time (its
+    float32 temporaries are a chunk's); the backward pass recomputes x32 and the normalised x,
+    a chunk at a time too, and forms the gradient in closed form."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        x32 = x.float()
-        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        size = x.shape[-1]
+        rows_x = x.reshape(-1, size)
+        # Cast here, not after: the gradient then comes back in the half precision and is
+        # widened a chunk at a time, never as a whole float32 [T, H].
+        out_dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
+                     else torch.promote_types(weight.dtype, x.dtype))
+        out = torch.empty(rows_x.shape, dtype=out_dtype, device=x.device)
+        inv_rms = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
+        # Row by row the same ops: chunks of rows keep the float32 temporaries a chunk's.
+        for start in range(0, rows_x.shape[0], CHUNK_ROWS):
+            part = slice(start, start + CHUNK_ROWS)
+            x32 = rows_x[part].float()
+            inv_rms[part] = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+            out[part] = weight * (x32 * inv_rms[part]).to(x.dtype)
         ctx.save_for_backward(x, weight, inv_rms)
-        return weight * (x32 * inv_rms).to(x.dtype)
+        return out.view(*x.shape[:-1], size)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, inv_rms = ctx.saved_tensors
         want_x, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         size = x.shape[-1]
-        rows_x, rows_r, rows_g = x.reshape(-1, size), inv_rms.reshape(-1, 1), grad_out.reshape(-1, size)
+        rows_x, rows_r, rows_g = x.reshape(-1, size), inv_rms, grad_out.reshape(-1, size)
         grad_x = torch.empty_like(rows_x) if want_x else None
         grad_weight = torch.zeros(size, dtype=torch.float32, device=x.device) if want_weight else None
-        for start in range(0, rows_x.shape[0], _RMSNorm.BACKWARD_ROWS):
-            part = slice(start, start + _RMSNorm.BACKWARD_ROWS)
-            x32, r, g = rows_x[part].float(), rows_r[part], rows_g[part]
+        for start in range(0, rows_x.shape[0], CHUNK_ROWS):
+            part = slice(start, start + CHUNK_ROWS)
+            x32, r, g = rows_x[part].float(), rows_r[part], rows_g[part].float()
             if want_weight:
                 grad_weight += (g * (x32 * r).to(x.dtype)).sum(0)
             if want_x:
@@ -231,7 +259,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as Llama does: bf16 squares lose the small components.
+        # Normalise in fp32 as Llama does: bf16 squares lose the small components. Under
+        # autocast the (float32) output is cast once, to the dtype every consumer casts it to.
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
@@ -360,10 +389,13 @@ def dense_context_attention(q, k, v, mask, group: int) -> tuple[torch.Tensor, to
     return torch.matmul(weights, _repeat_kv(v, group)), lse
 
 
-def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
+def merge_diagonal_keys_autograd(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
     """Softmax attention over [context keys ; one diagonal key per draft step], exactly, from
     the context part's output and log-sum-exp and the diagonal scores (dot products at each
-    query's own position): no [T, j*T] matrix that would be almost all masked.
+    query's own position): no [T, j*T] matrix that would be almost all masked. Autograd's graph
+    of these ops keeps float32 copies of q and the context output (1.75 GiB per TTT step at 32,768
+    tokens of a Kimi-shaped drafter); :func:`merge_diagonal_keys` computes the same output and
+    forms the gradient itself. This one is its reference in the tests.
 
     The query heads are grouped under their key/value head, so the diagonal keys and values are
     read as they are: repeated per query head in float32, each would be a [heads, T, head_dim]
@@ -385,6 +417,80 @@ def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: in
     for i, v in enumerate(draft_v):
         out = out + (shares[..., i, None] * v.float().unsqueeze(2)).reshape(batch, heads, length, dim)
     return out.to(q.dtype)
+
+
+class _MergeDiagonalKeys(torch.autograd.Function):
+    """merge_diagonal_keys_autograd's output, one key/value head's query group at a time; the
+    backward pass recomputes the shares from the inputs it keeps (which the context attention
+    and the cache keep anyway), a group at a time too: the float32 temporaries of either pass
+    are a group's, not all heads'.
+
+    With a = softmax over [context lse ; diagonal scores] and values [context out ; v_i], the
+    output is sum a_x value_x; a logit's gradient is a_x (g . value_x - g . out)."""
+
+    @staticmethod
+    def forward(ctx, context_out, context_lse, q, group, *draft):
+        steps = len(draft) // 2
+        ctx.group = group
+        ctx.save_for_backward(context_out, context_lse, q, *draft)
+        # The same ops a key/value head at a time: the float32 temporaries are a group's.
+        out = torch.empty_like(q)
+        for head in range(draft[0].shape[1]):
+            heads, one = slice(head * group, (head + 1) * group), slice(head, head + 1)
+            out[:, heads] = merge_diagonal_keys_autograd(context_out[:, heads], context_lse[:, heads], q[:, heads],
+                                                         [k[:, one] for k in draft[:steps]],
+                                                         [v[:, one] for v in draft[steps:]], group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        context_out, context_lse, q, *draft = ctx.saved_tensors
+        steps, group = len(draft) // 2, ctx.group
+        draft_k, draft_v = draft[:steps], draft[steps:]
+        scale = q.shape[-1] ** -0.5
+        grad_context = torch.empty_like(context_out)
+        grad_lse = torch.empty_like(context_lse)
+        grad_q = torch.empty_like(q)
+        grad_k = [torch.empty_like(k) for k in draft_k]
+        grad_v = [torch.empty_like(v) for v in draft_v]
+        for head in range(draft_k[0].shape[1]):
+            heads = slice(head * group, (head + 1) * group)
+            q32 = q[:, heads].float()
+            keys = [k[:, head, None].float() for k in draft_k]  # [B, 1, T, d]: broadcast over the group
+            values = [v[:, head, None].float() for v in draft_v]
+            lse = context_lse[:, heads]
+            diagonal = [(q32 * k).sum(-1) * scale for k in keys]
+            shift = torch.maximum(lse, torch.stack(diagonal, -1).amax(-1))
+            context_weight = torch.exp(lse - shift)
+            diagonal_weight = [torch.exp(d - shift) for d in diagonal]
+            total = context_weight + torch.stack(diagonal_weight, -1).sum(-1)
+            context_share = context_weight / total
+            shares = [w / total for w in diagonal_weight]
+            context32 = context_out[:, heads].float()
+            out = context32 * context_share[..., None]
+            for share, v in zip(shares, values):
+                out = out + share[..., None] * v
+            g = grad_out[:, heads].float()
+            g_out = (g * out).sum(-1)
+            grad_context[:, heads] = (g * context_share[..., None]).to(context_out.dtype)
+            grad_lse[:, heads] = context_share * ((g * context32).sum(-1) - g_out)
+            grad_q32 = torch.zeros_like(q32)
+            for i, (share, k, v) in enumerate(zip(shares, keys, values)):
+                grad_score = (share * ((g * v).sum(-1) - g_out) * scale)[..., None]
+                grad_q32 += grad_score * k
+                grad_k[i][:, head] = (grad_score * q32).sum(1).to(grad_k[i].dtype)
+                grad_v[i][:, head] = (share[..., None] * g).sum(1).to(grad_v[i].dtype)
+            grad_q[:, heads] = grad_q32.to(q.dtype)
+        return (grad_context, grad_lse, grad_q, None, *grad_k, *grad_v)
+
+
+def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
+    """Softmax attention over [context keys ; one diagonal key per draft step], exactly
+    (:func:`merge_diagonal_keys_autograd`), keeping for the backward pass only what the context
+    attention and the cache keep already."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (context_out, context_lse, q, *draft_k, *draft_v)):
+        return _MergeDiagonalKeys.apply(context_out, context_lse, q, group, *draft_k, *draft_v)
+    return merge_diagonal_keys_autograd(context_out, context_lse, q, draft_k, draft_v, group)
 
 
 class Attention(nn.Module):
@@ -438,17 +544,47 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # gate and up are this call's own: nothing else reads them (their gradients may take their place).
+        return self.down_proj(_SwiGLU.apply(self.gate_proj(x), self.up_proj(x), True))
 
 
-def _cast_for_autocast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in autocast's dtype when autocast is on, the cast each of q/k/v_proj would make:
-    made once here, the projections keep one half-precision copy for the backward pass instead
-    of three (2 x 0.875 GiB fewer per TTT step at 32,768 tokens of a Kimi-shaped drafter). The
-    values are the same; the three input gradients then meet in that dtype."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up only: autograd would keep silu(gate) too, a
+    [T, intermediate] tensor (1.1 GiB a TTT step at 32,768 tokens of a Kimi-shaped drafter).
+    The backward pass recomputes silu(gate) and runs the ops autograd runs (the product's
+    gradients, aten.silu_backward), CHUNK_ROWS rows at a time: the same gradients (bit for bit
+    in bf16; in float32 a chunk's vectorised tail may round a last bit otherwise)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, private: bool = False):
+        ctx.private = private
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        width = gate.shape[-1]
+        rows_gate, rows_up, rows_grad = gate.reshape(-1, width), up.reshape(-1, width), grad_out.reshape(-1, width)
+        # ``private`` (the caller's word that nothing else reads gate and up): eagerly, each
+        # gradient takes the place of the input it belongs to, chunk by chunk, since this backward
+        # is their last read (2 x 1.1 GiB fewer at the MLP's backward, the peak of a recomputed
+        # Kimi-shaped step). A second backward through the same graph is refused by autograd's
+        # version check. Compiled, or not private: fresh tensors.
+        in_place = ctx.private and not torch.compiler.is_compiling() and gate.is_contiguous() and up.is_contiguous()
+        grad_gate = (rows_gate if in_place else torch.empty_like(rows_gate)) if ctx.needs_input_grad[0] else None
+        grad_up = (rows_up if in_place else torch.empty_like(rows_up)) if ctx.needs_input_grad[1] else None
+        # Elementwise, so chunks of rows give the same values; the temporaries are a chunk's.
+        # In this order, each chunk's gate and up are read before their gradients replace them.
+        for start in range(0, rows_gate.shape[0], CHUNK_ROWS):
+            part = slice(start, start + CHUNK_ROWS)
+            through_up = rows_grad[part] * rows_up[part] if grad_gate is not None else None
+            if grad_up is not None:
+                grad_up[part] = rows_grad[part] * F.silu(rows_gate[part])
+            if grad_gate is not None:
+                grad_gate[part] = torch.ops.aten.silu_backward(through_up, rows_gate[part])
+        return (None if grad_gate is None else grad_gate.view_as(gate),
+                None if grad_up is None else grad_up.view_as(up), None)
 
 
 class MidLayer(nn.Module):
@@ -465,7 +601,7 @@ class MidLayer(nn.Module):
     def forward(self, embeds, hidden, position_ids, segment_ids, cache):
         # SGLang's convention: the residual is the hidden state *before* hidden_norm.
         residual = hidden
-        x = _cast_for_autocast(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1))
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         residual = residual + self.self_attn(x, position_ids, segment_ids, cache)
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
