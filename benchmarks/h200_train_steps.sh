@@ -6,10 +6,12 @@
 #                                                      # with train.recompute_steps (the 40 GB goal)
 #   PART=compile bash benchmarks/h200_train_steps.sh   # Kimi 1 x 4,096 compiled; SmolLM2 8 x 4,096 compiled
 #                                                      # beside its ceiling (the real run's step)
+#   PART=ddp     bash benchmarks/h200_train_steps.sh   # two H200s of one host: one process against two (DDP)
+#                                                      # at the same global batch, SmolLM2 and Kimi (2 x 4,096)
 # Only torch, safetensors and transformers are needed: the benchmark makes its own random target
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
-PART=${PART:?PART=kimi or PART=compile}
+PART=${PART:?PART=kimi, compile or ddp}
 DEST=${DEST:-benchmarks/results}
 DAY=$(date -u +%F)
 export TMPDIR=${TMPDIR:-/dev/shm}
@@ -30,5 +32,11 @@ case $PART in
     timed smollm2-8x4096-compile timeout 280 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile --ceiling \
       --out "$DEST/train_throughput_h200_smollm2_8x4096_compile_$DAY.json"
     ;;
-  *) echo "PART is kimi or compile, not $PART" >&2; exit 2 ;;
+  ddp)
+    timed smollm2-8x4096-ddp timeout 280 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile \
+      --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_smollm2_8x4096_ddp_$DAY.json"
+    timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
+      --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
+    ;;
+  *) echo "PART is kimi, compile or ddp, not $PART" >&2; exit 2 ;;
 esac

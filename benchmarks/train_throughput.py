@@ -135,7 +135,9 @@ def matmul_ceiling(device: torch.device) -> float | None:
     return 20 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3)
 
 
-def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
+def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[dict]:
+    """One random target and its shards for the shape; then eaglenest's step timed once per
+    ``--processes`` count (1: in this process; more: under torchrun, DDP, the same global batch)."""
     shape = shape_of(name, args)
     root = workdir / name
     vocab_size = shape["target"]["vocab_size"]
@@ -163,21 +165,36 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     setup_seconds = time.perf_counter() - began
     settings = {
         "ttt_length": args.ttt_length, "epochs": 1, "token_budget": args.token_budget, "rows_per_step": args.rows,
-        "lr": 1e-4, "warmup_steps": 1, "drafter": shape["drafter"], "device": str(device), "threads": args.threads,
+        "lr": 1e-4, "warmup_steps": 1, "drafter": shape["drafter"], "device": device.type, "threads": args.threads,
         "log_every": 1, "checkpoint_every": 10**9, "init_head_from_target": True,
         **({"compile": True} if args.compile else {}), **({"attention": args.attention} if args.attention else {}),
         **({"recompute_steps": True} if args.recompute_steps else {}),
     }
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with profiled(args.profile, device) as profile:
-        summary = train.train(
-            str(out / "index.json"), str(out / "draft_vocab.safetensors"), str(out / "split.json"),
-            str(root / "target"), str(root / "drafter"), str(root / "checkpoints"), settings=settings,
-            target_name="bench", expect=expect,
-        )
-    curve = json.loads((root / "drafter" / "training_curve.json").read_text())
-    saved = json.loads((root / "drafter" / "config.json").read_text())
+    runs = []
+    for processes in args.processes or [1]:
+        arguments = {
+            "index_path": str(out / "index.json"), "draft_vocab_path": str(out / "draft_vocab.safetensors"),
+            "split_path": str(out / "split.json"), "target_path": str(root / "target"),
+            "out_dir": str(root / f"drafter-{processes}"), "checkpoint_dir": str(root / f"checkpoints-{processes}"),
+            "settings": settings, "target_name": "bench", "expect": expect,
+        }
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        with profiled(args.profile and processes == 1, device) as profile:
+            train.launch(arguments, processes=processes)
+        run = timed_run(name, args, root / f"drafter-{processes}", processes, setup_seconds)
+        if profile:
+            run["profile"] = profile_table(profile)
+        runs.append(run)
+    return runs
+
+
+def timed_run(name: str, args, drafter_dir: Path, processes: int, setup_seconds: float) -> dict:
+    """The steady steps of a training run's curve: tokens/s (the global batch's), FLOPs, losses."""
+    curve = json.loads((drafter_dir / "training_curve.json").read_text())
+    summary = curve["summary"]
+    saved = json.loads((drafter_dir / "config.json").read_text())
     config = drafter.DrafterConfig.from_dict({k: v for k, v in saved.items() if k in drafter.DrafterConfig.__dataclass_fields__})
     with torch.device("meta"):
         trainable = drafter.count_parameters(drafter.Eagle3Drafter(config))
@@ -186,19 +203,19 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> dict:
     tokens = sum(r["tokens"] for r in steady)
     flops = sum(step_flops(config, r, args.token_budget) for r in steady)
     result = {
-        "shape": name, "device": str(device), "ttt_length": args.ttt_length, "token_budget": args.token_budget,
-        "rows_per_step": args.rows, "tokens_per_step": steady[0]["tokens"] if steady else None,
+        "shape": name, "device": summary["device"], "processes": processes, "ttt_length": args.ttt_length,
+        "token_budget": args.token_budget, "rows_per_step": args.rows,
+        "tokens_per_step": steady[0]["tokens"] if steady else None,
         "steps_timed": len(steady), "tokens_per_s": tokens / seconds, "model_tflops_per_s": flops / seconds / 1e12,
         "flops_per_token": flops / tokens, "data_wait_fraction": sum(r["data_wait_seconds"] for r in steady) / seconds,
         "counted_fraction_step0": steady[0]["positions"][0] / steady[0]["tokens"] if steady else None,
         "trainable_parameters": trainable,
         "setup_seconds": setup_seconds, "step_seconds": [round(r["seconds"], 4) for r in curve["train"]],
+        "losses": [r["loss"] for r in curve["train"]],
         "summary_data_wait_fraction": summary["data_wait_fraction"],
     }
-    if device.type == "cuda":
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    if profile:
-        result["profile"] = profile_table(profile)
+    if summary.get("peak_memory_gib") is not None:  # rank 0's, on a GPU
+        result["peak_memory_gib"] = summary["peak_memory_gib"]
     return result
 
 
@@ -380,6 +397,9 @@ def main(argv=None):
                         help="consolidate.draft_vocab_size (default: the shape's; config/h200-smollm2.yaml trains 32000)")
     parser.add_argument("--profile", action="store_true",
                         help="record the operators' device time over the run (torch.profiler; slows the steps)")
+    parser.add_argument("--processes", type=int, action="append",
+                        help="repeatable: time eaglenest's step with this many DDP processes (torchrun; GPUs on a "
+                             "GPU node, gloo workers on a CPU), each at the same global batch; default 1")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     device = train.resolve_device(args.device, 0)
@@ -402,7 +422,8 @@ def main(argv=None):
 
     def attempt(name, work):
         try:
-            results["runs"].append(work())
+            done = work()
+            results["runs"].extend(done if isinstance(done, list) else [done])
         except Exception as exc:  # keep the other shapes' numbers
             results["runs"].append({"shape": name, "error": f"{type(exc).__name__}: {exc}"})
         save()
@@ -429,23 +450,36 @@ def print_table(results: dict) -> None:
     if "backend_check" in results:
         print("flex vs dense (float32):", json.dumps(results["backend_check"].get("max_rel_err",
                                                                                 results["backend_check"])))
-    print(f"{'shape':8} {'step':9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'wait':>6} {'peak GiB':>8} {'x ceiling':>9}")
-    eaglenest_runs = {}
+    print(f"{'shape':8} {'step':12} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'wait':>6} {'peak GiB':>8} {'x ceiling':>9} "
+          f"{'x 1 proc':>8} {'loss vs 1':>9}")
+    eaglenest_runs, one_process = {}, {}
     for run in results["runs"]:
         if "error" in run:
             print(f"{run['shape']:8} ERROR {run['error']}")
             continue
         kind = "ceiling" if "ceiling" in run.get("step", "") else "eaglenest"
-        mfu = f"{run['model_tflops_per_s'] / ceiling:.1%}" if ceiling else "-"
-        ratio = ""
+        processes = run.get("processes", 1)
+        # MFU of the GPUs the step ran on: the model FLOP rate over the ceiling of that many.
+        mfu = f"{run['model_tflops_per_s'] / (ceiling * processes):.1%}" if ceiling else "-"
+        ratio, scaling, loss_gap = "", "", ""
         if kind == "eaglenest":
-            eaglenest_runs[run["shape"]] = run
+            if processes == 1:
+                eaglenest_runs[run["shape"]] = one_process[run["shape"]] = run
+            elif run["shape"] in one_process:
+                # The same data, initial weights and global batch: the curves must agree.
+                base = one_process[run["shape"]]
+                run["tokens_per_s_over_one_process"] = run["tokens_per_s"] / base["tokens_per_s"]
+                run["loss_max_rel_diff_vs_one_process"] = max(
+                    abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run["losses"], base["losses"]))
+                scaling = f"{run['tokens_per_s_over_one_process']:.2f}"
+                loss_gap = f"{run['loss_max_rel_diff_vs_one_process']:.1e}"
         elif run["shape"] in eaglenest_runs:
             ratio = f"{eaglenest_runs[run['shape']]['tokens_per_s'] / run['tokens_per_s']:.2f}"
             run["eaglenest_over_ceiling"] = float(ratio)
         peak = f"{run['peak_memory_gib']:.1f}" if "peak_memory_gib" in run else "-"
-        print(f"{run['shape']:8} {kind:9} {run['tokens_per_s']:10.0f} {run['model_tflops_per_s']:8.1f} {mfu:>6} "
-              f"{run['data_wait_fraction']:6.1%} {peak:>8} {ratio:>9}")
+        step = kind if kind == "ceiling" else f"{kind} x{processes}"
+        print(f"{run['shape']:8} {step:12} {run['tokens_per_s']:10.0f} {run['model_tflops_per_s']:8.1f} {mfu:>6} "
+              f"{run['data_wait_fraction']:6.1%} {peak:>8} {ratio:>9} {scaling:>8} {loss_gap:>9}")
 
 
 if __name__ == "__main__":

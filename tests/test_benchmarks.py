@@ -1,6 +1,7 @@
 """CPU smoke of the training benchmark: both steps run, the table and the JSON carry the ratio."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,28 @@ def test_train_throughput_times_eaglenest_and_the_eager_ceiling_on_cpu(tmp_path)
     assert profile and all(row["ms"] >= 0 and row["calls"] > 0 for row in profile)
     assert [row["ms"] for row in profile] == sorted((row["ms"] for row in profile), reverse=True)
     assert "x ceiling" in result.stdout
+
+
+def test_train_throughput_times_two_ddp_processes_against_one_at_the_same_global_batch(tmp_path):
+    """--processes 1 --processes 2: the same data and initial weights, trained in this process
+    and under torchrun (gloo on a CPU); the two-process run reports its tokens/s over the
+    one-process run's and how far its loss curve is from it."""
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--shape", "smollm2", "--device", "cpu",
+         "--ttt-length", "2", "--token-budget", "128", "--sample-len", "64", "--rows", "2", "--steps", "4",
+         "--warmup", "1", "--threads", "1", "--samples-per-shard", "4", "--processes", "1", "--processes", "2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r.get("processes") for r in runs] == [1, 2], runs
+    one, two = runs
+    assert len(one["losses"]) == len(two["losses"]) == 4
+    assert two["tokens_per_s_over_one_process"] > 0
+    assert two["loss_max_rel_diff_vs_one_process"] < 1e-4, (one["losses"], two["losses"])
+    assert "x 1 proc" in result.stdout
 
 
 def _chunk(eval_set: str, chunk: int, chunks: int, traces: dict) -> dict:

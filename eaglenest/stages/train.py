@@ -728,6 +728,9 @@ def _train(
         "final_val_loss": final_val["loss"], "final_val_positions": final_val["positions"],
         "ttt_length": settings["ttt_length"], "train_tokens_per_epoch": train_set.num_tokens,
         "fingerprint": run_fingerprint,
+        # This rank's most allocated at once (rank 0 writes the summary), since the process began
+        # or the caller last reset the peak.
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
     curve["summary"] = summary
     log.info("done: %s", json.dumps(summary))
