@@ -145,16 +145,18 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
                 "position_ids": torch.arange(row_tokens).repeat(rows, 1),
                 "loss_mask": torch.ones(rows, row_tokens, dtype=torch.bool),
                 "aux_hidden": torch.empty(rows, row_tokens, 3 * config.target_hidden_size, dtype=torch.bfloat16),
-                "last_hidden": torch.empty(rows, row_tokens, config.target_hidden_size, dtype=torch.bfloat16),
             }
             # Every position counts at every step but the last few of the row: the most a step can hold.
             positions = [torch.arange(tokens - 2 - j) for j in range(ttt_length)]
             for _ in range(steps):
                 counter.phase = "target head"
                 target_logits = torch.empty(tokens, config.draft_vocab_size, dtype=target_head.dtype)
-                for chunk in batch["last_hidden"].flatten(0, 1).split(max(1, (1 << 26) // config.vocab_size)):
+                # The step's last hidden states: read by the target's head, then dropped (as _train does).
+                last_hidden = torch.empty(rows, row_tokens, config.target_hidden_size, dtype=torch.bfloat16)
+                for chunk in last_hidden.flatten(0, 1).split(max(1, (1 << 26) // config.vocab_size)):
                     full = chunk @ target_head.T  # one chunk's full-vocabulary logits, as TargetHead makes them
                     del full
+                del chunk, last_hidden
                 counter.phase = "forward"
                 # Each step's weight in the loss, known before the forward pass, as _train passes them.
                 step_weights = torch.stack([torch.tensor(0.8 ** j / max(len(p), 1), dtype=torch.float64)
