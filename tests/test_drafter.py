@@ -270,6 +270,28 @@ def test_rms_norm_equals_autograd_through_its_expression(dtype, rows, monkeypatc
     torch.testing.assert_close(grad_w, ref_w, rtol=1e-5, atol=1e-5)
 
 
+def test_rms_norm_under_autocast_gives_the_cast_its_consumers_made():
+    """Under autocast the norm's output comes in autocast's dtype: the cast each projection
+    would have made of the float32 output, made once. Same values and gradients as the plain
+    expression followed by that cast."""
+    torch.manual_seed(3)
+    x = torch.randn(2, 9, 32).to(torch.bfloat16).requires_grad_(True)
+    weight = (1.0 + 0.1 * torch.randn(32)).requires_grad_(True)
+    grad_out = torch.randn(2, 9, 32).to(torch.bfloat16)
+    norm = drafter.RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)
+        x32 = x.float()
+        reference = (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
+    grads = torch.autograd.grad(out, (x, norm.weight), grad_out)
+    expected = torch.autograd.grad(reference, (x, weight), grad_out)
+    torch.testing.assert_close(grads[0].float(), expected[0].float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps):

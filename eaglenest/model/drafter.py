@@ -190,18 +190,6 @@ class DrafterConfig:
 CHUNK_ROWS = 4096
 
 
-def _cast_for_autocast(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in autocast's dtype when autocast is on: the cast that each projection reading a
-    norm's float32 output would make, made once. The projections then keep one half-precision
-    copy for the backward pass instead of one each (q/k/v_proj three, gate/up_proj two: 2.6 GiB
-    fewer per TTT step at 32,768 tokens of a Kimi-shaped drafter), and no float32 [T, H] copy
-    outlives the norm. The values are the same; the consumers' input gradients meet in that
-    dtype before the norm's backward pass widens them."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
-
-
 class _RMSNorm(torch.autograd.Function):
     """weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype), x32 = x in float32, keeping only
     x and the inverse RMS for the backward pass. Autograd's graph of the same expression keeps
@@ -215,8 +203,11 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         size = x.shape[-1]
         rows_x = x.reshape(-1, size)
-        # Cast here, not after: the gradient then comes back in the half precision and is
-        # widened a chunk at a time, never as a whole float32 [T, H].
+        # Under autocast, the output in autocast's dtype: the cast each projection reading it
+        # would make, made once, so they keep one half-precision copy for the backward pass
+        # instead of one each (q/k/v_proj three, gate/up_proj two: 2.6 GiB a TTT step at
+        # 32,768 tokens of a Kimi-shaped drafter). The values are the same; the gradient comes
+        # back in that dtype and is widened a chunk at a time, never as a whole float32 [T, H].
         out_dtype = (torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type)
                      else torch.promote_types(weight.dtype, x.dtype))
         out = torch.empty(rows_x.shape, dtype=out_dtype, device=x.device)
@@ -259,8 +250,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as Llama does: bf16 squares lose the small components. Under
-        # autocast the (float32) output is cast once, to the dtype every consumer casts it to.
+        # Normalise in fp32 as Llama does: bf16 squares lose the small components.
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 

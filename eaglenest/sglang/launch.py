@@ -177,14 +177,14 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def url_with_free_port(url: str, rng: random.Random | None = None) -> str:
+def url_with_free_port(url: str) -> str:
     """``url`` on a port nobody holds now, outside the ephemeral range where there is room:
     servers of two blocks may share a node, and so may other runs' servers and clients."""
     address = urllib.parse.urlsplit(url)
     host = address.hostname or "127.0.0.1"
     low, _ = ephemeral_port_range()
     candidates = list(range(SERVICE_PORTS_FROM, low))
-    (rng or random.SystemRandom()).shuffle(candidates)
+    random.SystemRandom().shuffle(candidates)
     for port in candidates[:200]:
         if port_is_free(host, port):
             break
