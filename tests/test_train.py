@@ -192,10 +192,9 @@ def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_load
         assert not moved[name][3].any()  # the padding row
 
 
-def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny_run):
-    """train.recompute_steps: every TTT step's activations are recomputed in the backward pass
-    (each step runs twice), on the cache as that step saw it: same losses, hits and gradients."""
-    from eaglenest.model import drafter as drafter_lib
+def first_step(tiny_run: dict, ttt_length: int):
+    """The first training step of the tiny run on the CPU: (batch, draft vocab, the target's
+    draft-vocabulary logits, each TTT step's counted positions)."""
     from eaglenest.formats import vocab
 
     dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
@@ -204,7 +203,15 @@ def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny
     draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
     head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
     target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
-    positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 4)
+    return batch, draft_vocab, target_logits, train.step_positions(batch, in_draft.view_as(batch["input_ids"]), ttt_length)
+
+
+def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny_run):
+    """train.recompute_steps: every TTT step's activations are recomputed in the backward pass
+    (each step runs twice), on the cache as that step saw it: same losses, hits and gradients."""
+    from eaglenest.model import drafter as drafter_lib
+
+    batch, draft_vocab, target_logits, positions = first_step(tiny_run, ttt_length=4)
     outcomes = []
     for recompute in (False, True):
         model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
@@ -231,15 +238,8 @@ def test_one_shared_head_gradient_buffer_gives_the_per_step_gradients(tiny_run, 
     own. Judged against autograd through each step's own gradient: same loss, CEs, hits, and
     every parameter's gradient, for an upstream gradient other than one."""
     from eaglenest.model import drafter as drafter_lib
-    from eaglenest.formats import vocab
 
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
-    batch = train.to_device(loader.RowReader(dataset).batch(rows), torch.device("cpu"), torch.float32)
-    draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
-    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
-    target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
-    positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 4)
+    batch, draft_vocab, target_logits, positions = first_step(tiny_run, ttt_length=4)
     step_weights = torch.tensor([0.8 ** j / max(len(p), 1) for j, p in enumerate(positions)], dtype=torch.float64)
     outcomes = []
     for shared in (False, True):
