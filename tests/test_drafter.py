@@ -251,7 +251,7 @@ def test_rms_norm_equals_autograd_through_its_expression(dtype, rows, monkeypatc
     """drafter.RMSNorm keeps x and the inverse RMS only; judged against autograd through the
     plain expression (which keeps float32 copies): the same output bit for bit, and the same
     gradients within float32 rounding."""
-    monkeypatch.setattr(drafter, "CHUNK_ROWS", rows)
+    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", rows * 64)
     torch.manual_seed(0)
     x = (torch.randn(3, 17, 64) * torch.linspace(0.1, 4.0, 64)).to(dtype).requires_grad_(True)
     weight = (1.0 + 0.1 * torch.randn(64)).requires_grad_(True)
@@ -339,7 +339,7 @@ def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monke
     backward pass; ``private`` gate and up (the MLP's own) are replaced by their gradients.
     Output and gradients equal autograd's through F.silu(gate) * up exactly (float32 in
     several chunks: to the last bit of a vectorised tail); a second backward is refused."""
-    monkeypatch.setattr(drafter, "CHUNK_ROWS", backward_rows)
+    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", backward_rows * 48)
     torch.manual_seed(2)
     leaves = ((torch.randn(4, 9, 48) * 3).to(dtype).requires_grad_(True), torch.randn(4, 9, 48).to(dtype).requires_grad_(True))
     grad_out = torch.randn(4, 9, 48).to(dtype)

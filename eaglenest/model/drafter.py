@@ -184,10 +184,15 @@ class DrafterConfig:
         return cls(**values)
 
 
-# Rows a norm or the MLP's gate handles at once outside its matmuls: their float32 (or
-# [rows, intermediate]) temporaries are this many rows' (a module constant, which
-# torch.compile reads as one).
-CHUNK_ROWS = 4096
+# Values a norm or the MLP's gate handles at once outside its matmuls (2^24: 64 MiB for a
+# float32 temporary): 2,340 rows of a Kimi-shaped drafter's H 7,168 (910 of its MLP's 18,432),
+# 29,127 of SmolLM2's H 576, so a small model's step, bound by kernel launches, is cut into a
+# couple of chunks at most. A module constant, which torch.compile reads as one.
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunk_rows(width: int) -> int:
+    return max(1, CHUNK_ELEMENTS // width)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -195,8 +200,8 @@ class _RMSNorm(torch.autograd.Function):
     x and the inverse RMS for the backward pass. Autograd's graph of the same expression keeps
     a float32 copy of x and the normalised x too, 6 bytes a value: 1.3 GiB per norm at 32,768
     tokens of a Kimi-shaped drafter (H 7,168), four norms per TTT step
-    (benchmarks/train_memory.py). The forward pass is those ops exactly, CHUNK_ROWS rows at a time (its
-    float32 temporaries are a chunk's); the backward pass recomputes x32 and the normalised x,
+    (benchmarks/train_memory.py). The forward pass is those ops exactly, a chunk of rows at a time
+    (CHUNK_ELEMENTS values: its float32 temporaries are a chunk's); the backward pass recomputes x32 and the normalised x,
     a chunk at a time too, and forms the gradient in closed form."""
 
     @staticmethod
@@ -213,8 +218,9 @@ class _RMSNorm(torch.autograd.Function):
         out = torch.empty(rows_x.shape, dtype=out_dtype, device=x.device)
         inv_rms = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
         # Row by row the same ops: chunks of rows keep the float32 temporaries a chunk's.
-        for start in range(0, rows_x.shape[0], CHUNK_ROWS):
-            part = slice(start, start + CHUNK_ROWS)
+        chunk = _chunk_rows(size)
+        for start in range(0, rows_x.shape[0], chunk):
+            part = slice(start, start + chunk)
             x32 = rows_x[part].float()
             inv_rms[part] = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             out[part] = weight * (x32 * inv_rms[part]).to(x.dtype)
@@ -229,8 +235,9 @@ class _RMSNorm(torch.autograd.Function):
         rows_x, rows_r, rows_g = x.reshape(-1, size), inv_rms, grad_out.reshape(-1, size)
         grad_x = torch.empty_like(rows_x) if want_x else None
         grad_weight = torch.zeros(size, dtype=torch.float32, device=x.device) if want_weight else None
-        for start in range(0, rows_x.shape[0], CHUNK_ROWS):
-            part = slice(start, start + CHUNK_ROWS)
+        chunk = _chunk_rows(size)
+        for start in range(0, rows_x.shape[0], chunk):
+            part = slice(start, start + chunk)
             x32, r, g = rows_x[part].float(), rows_r[part], rows_g[part].float()
             if want_weight:
                 grad_weight += (g * (x32 * r).to(x.dtype)).sum(0)
@@ -542,7 +549,7 @@ class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up, keeping gate and up only: autograd would keep silu(gate) too, a
     [T, intermediate] tensor (1.1 GiB a TTT step at 32,768 tokens of a Kimi-shaped drafter).
     The backward pass recomputes silu(gate) and runs the ops autograd runs (the product's
-    gradients, aten.silu_backward), CHUNK_ROWS rows at a time: the same gradients (bit for bit
+    gradients, aten.silu_backward), a chunk of rows at a time: the same gradients (bit for bit
     in bf16; in float32 a chunk's vectorised tail may round a last bit otherwise)."""
 
     @staticmethod
@@ -566,8 +573,9 @@ class _SwiGLU(torch.autograd.Function):
         grad_up = (rows_up if in_place else torch.empty_like(rows_up)) if ctx.needs_input_grad[1] else None
         # Elementwise, so chunks of rows give the same values; the temporaries are a chunk's.
         # In this order, each chunk's gate and up are read before their gradients replace them.
-        for start in range(0, rows_gate.shape[0], CHUNK_ROWS):
-            part = slice(start, start + CHUNK_ROWS)
+        chunk = _chunk_rows(width)
+        for start in range(0, rows_gate.shape[0], chunk):
+            part = slice(start, start + chunk)
             through_up = rows_grad[part] * rows_up[part] if grad_gate is not None else None
             if grad_up is not None:
                 grad_up[part] = rows_grad[part] * F.silu(rows_gate[part])
