@@ -422,8 +422,7 @@ def main(argv=None):
 
     def attempt(name, work):
         try:
-            done = work()
-            results["runs"].extend(done if isinstance(done, list) else [done])
+            results["runs"].extend(work())
         except Exception as exc:  # keep the other shapes' numbers
             results["runs"].append({"shape": name, "error": f"{type(exc).__name__}: {exc}"})
         save()
@@ -440,7 +439,7 @@ def main(argv=None):
         for name in args.shape or ["smollm2"]:
             attempt(name, lambda: bench_shape(name, args, device, Path(workdir)))
             if args.ceiling:
-                attempt(name, lambda: bench_ceiling(name, args, device))
+                attempt(name, lambda: [bench_ceiling(name, args, device)])
     print_table(results)
     save()  # with the ratios print_table adds
 

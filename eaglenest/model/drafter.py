@@ -191,8 +191,10 @@ class DrafterConfig:
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _chunk_rows(width: int) -> int:
-    return max(1, CHUNK_ELEMENTS // width)
+def _row_chunks(rows: int, width: int) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` values, CHUNK_ELEMENTS values a slice at most."""
+    step = max(1, CHUNK_ELEMENTS // width)
+    return [slice(start, start + step) for start in range(0, rows, step)]
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -200,9 +202,10 @@ class _RMSNorm(torch.autograd.Function):
     x and the inverse RMS for the backward pass. Autograd's graph of the same expression keeps
     a float32 copy of x and the normalised x too, 6 bytes a value: 1.3 GiB per norm at 32,768
     tokens of a Kimi-shaped drafter (H 7,168), four norms per TTT step
-    (benchmarks/train_memory.py). The forward pass is those ops exactly, a chunk of rows at a time
-    (CHUNK_ELEMENTS values: its float32 temporaries are a chunk's); the backward pass recomputes x32 and the normalised x,
-    a chunk at a time too, and forms the gradient in closed form."""
+    (benchmarks/train_memory.py). The forward pass is those ops exactly, a chunk of rows at a
+    time (CHUNK_ELEMENTS values: its float32 temporaries are a chunk's); the backward pass
+    recomputes x32 and the normalised x, a chunk at a time too, and forms the gradient in
+    closed form."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -218,9 +221,7 @@ class _RMSNorm(torch.autograd.Function):
         out = torch.empty(rows_x.shape, dtype=out_dtype, device=x.device)
         inv_rms = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
         # Row by row the same ops: chunks of rows keep the float32 temporaries a chunk's.
-        chunk = _chunk_rows(size)
-        for start in range(0, rows_x.shape[0], chunk):
-            part = slice(start, start + chunk)
+        for part in _row_chunks(rows_x.shape[0], size):
             x32 = rows_x[part].float()
             inv_rms[part] = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             out[part] = weight * (x32 * inv_rms[part]).to(x.dtype)
@@ -232,13 +233,11 @@ class _RMSNorm(torch.autograd.Function):
         x, weight, inv_rms = ctx.saved_tensors
         want_x, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         size = x.shape[-1]
-        rows_x, rows_r, rows_g = x.reshape(-1, size), inv_rms, grad_out.reshape(-1, size)
+        rows_x, rows_g = x.reshape(-1, size), grad_out.reshape(-1, size)
         grad_x = torch.empty_like(rows_x) if want_x else None
         grad_weight = torch.zeros(size, dtype=torch.float32, device=x.device) if want_weight else None
-        chunk = _chunk_rows(size)
-        for start in range(0, rows_x.shape[0], chunk):
-            part = slice(start, start + chunk)
-            x32, r, g = rows_x[part].float(), rows_r[part], rows_g[part].float()
+        for part in _row_chunks(rows_x.shape[0], size):
+            x32, r, g = rows_x[part].float(), inv_rms[part], rows_g[part].float()
             if want_weight:
                 grad_weight += (g * (x32 * r).to(x.dtype)).sum(0)
             if want_x:
@@ -573,9 +572,7 @@ class _SwiGLU(torch.autograd.Function):
         grad_up = (rows_up if in_place else torch.empty_like(rows_up)) if ctx.needs_input_grad[1] else None
         # Elementwise, so chunks of rows give the same values; the temporaries are a chunk's.
         # In this order, each chunk's gate and up are read before their gradients replace them.
-        chunk = _chunk_rows(width)
-        for start in range(0, rows_gate.shape[0], chunk):
-            part = slice(start, start + chunk)
+        for part in _row_chunks(rows_gate.shape[0], width):
             through_up = rows_grad[part] * rows_up[part] if grad_gate is not None else None
             if grad_up is not None:
                 grad_up[part] = rows_grad[part] * F.silu(rows_gate[part])

@@ -184,8 +184,9 @@ class TTTObjective(nn.Module):
         returned are then detached."""
         if batch is None:  # a rank with no row this step still joins DDP's reduction
             zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            results = [(zero, 0, zero.detach())] * self.ttt_length
-            return results if step_weights is None else (zero, [(zero.detach(), 0, h) for _, _, h in results])
+            if step_weights is None:
+                return [(zero, 0, zero.detach())] * self.ttt_length
+            return zero, [(zero.detach(), 0, zero.detach())] * self.ttt_length
         shared = None
         if step_weights is not None and torch.is_grad_enabled() and self.drafter.lm_head.weight.requires_grad:
             shared = draft_loss.SharedHeadGradient(self.drafter.lm_head.weight)
@@ -193,14 +194,13 @@ class TTTObjective(nn.Module):
         results, terms = [], []
         for j, normed in self.unroll(batch):
             rows = positions[j]
+            counted = (normed.flatten(0, 1)[rows], target_logits[rows + 1 + j], target_ids[rows + 1 + j])
             if rows.numel() == 0:
                 ce, hits = normed.sum() * 0.0, normed.new_zeros((), dtype=torch.int64)
             elif shared is not None:
-                ce, hits = shared.step(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j], target_ids[rows + 1 + j],
-                                       self.loss_chunk_rows, step_weights[j], self.compile_loss)
+                ce, hits = shared.step(*counted, self.loss_chunk_rows, step_weights[j], self.compile_loss)
             else:
-                ce, hits = self.step_loss(normed.flatten(0, 1)[rows], target_logits[rows + 1 + j],
-                                          target_ids[rows + 1 + j])
+                ce, hits = self.step_loss(*counted)
             results.append((ce, rows.numel(), hits))
             if step_weights is not None:
                 terms.append(step_weights[j] * ce)
