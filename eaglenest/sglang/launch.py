@@ -152,9 +152,10 @@ def standin_command(capture: dict, url: str, python: str = sys.executable) -> li
 
 
 # Where a service's port is picked: below the kernel's ephemeral range, from which every
-# outgoing connection (the shard jobs' requests among them) takes its local port. A server
-# binds its port only after loading the target, minutes after the pick; a port from that
-# range could meanwhile become the local end of some connection.
+# outgoing connection (the shard jobs' requests among them) takes its local port. The pick
+# and the server's bind are apart by the server's start-up (the stand-in binds after loading
+# its target: tests/support/standin_server.py, serve); a port from that range could
+# meanwhile become the local end of some connection.
 SERVICE_PORTS_FROM = 10000
 # How often a service starts its server again on another port when the picked one was taken.
 PORT_ATTEMPTS = 3
