@@ -2,35 +2,49 @@
 # The training step's measurements of docs/performance.md on one H200, each part within one
 # 10-minute call. Every benchmark JSON is written to $DEST as soon as it exists (a node that
 # goes away keeps nothing), named by the date and the part.
-#   PART=kimi    bash benchmarks/h200_train_steps.sh   # 1 x 4,096 eager beside its ceiling, then 8 x 4,096
-#                                                      # with train.recompute_steps (the 40 GB goal)
-#   PART=compile bash benchmarks/h200_train_steps.sh   # Kimi 1 x 4,096 compiled; SmolLM2 8 x 4,096 compiled
-#                                                      # beside its ceiling (the real run's step)
+#   PART=kimi    bash benchmarks/h200_train_steps.sh   # 1 x 4,096 eager beside its ceiling, then its
+#                                                      # operator profile
+#   PART=memory  bash benchmarks/h200_train_steps.sh   # 8 x 4,096 with train.recompute_steps (the 40 GB goal)
+#   PART=compile bash benchmarks/h200_train_steps.sh   # Kimi 1 x 4,096 compiled (its first step compiles
+#                                                      # for minutes: alone in its call)
+#   PART=smollm2 bash benchmarks/h200_train_steps.sh   # SmolLM2 8 x 4,096 compiled beside its ceiling (the
+#                                                      # real run's step), then eager
 #   PART=ddp     bash benchmarks/h200_train_steps.sh   # two H200s of one host: one process against two (DDP)
 #                                                      # at the same global batch, SmolLM2 and Kimi (2 x 4,096)
-# Only torch, safetensors and transformers are needed: the benchmark makes its own random target
+# Needs torch, safetensors, transformers and jsonschema (eaglenest's settings validate against
+# config/schema.yaml; an image without it takes its wheel and those of its three dependencies,
+# referencing, jsonschema-specifications and rpds-py). The benchmark makes its own random target
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
-PART=${PART:?PART=kimi, compile or ddp}
+PART=${PART:?PART=kimi, memory, compile, smollm2 or ddp}
 DEST=${DEST:-benchmarks/results}
-DAY=$(date -u +%F)
+# Files are named by TAG: the date unless given (the commit measured, when a day holds several)
+DAY=${TAG:-$(date -u +%F)}
 export TMPDIR=${TMPDIR:-/dev/shm}
 KIMI=(--shape kimi --token-budget 4096 --sample-len 4096 --steps 8 --warmup 3)
 SMOLLM2=(--shape smollm2 --rows 8 --token-budget 4096 --sample-len 2048 --hidden-dtype float8_e4m3 --draft-vocab 32000
          --steps 10 --warmup 4)
 mkdir -p "$DEST"
 case $PART in
-  kimi)
+  kimi)  # about 4 minutes on one H200 (2026-12-02)
     timed kimi-1x4096 timeout 280 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling \
       --out "$DEST/train_throughput_h200_kimi_1x4096_$DAY.json"
-    timed kimi-8x4096-recompute timeout 280 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 8 \
-      --recompute-steps --out "$DEST/train_throughput_h200_kimi_8x4096_recompute_$DAY.json"
+    timed kimi-1x4096-profile timeout 200 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --steps 5 \
+      --warmup 2 --profile --out "$DEST/train_throughput_h200_kimi_1x4096_profile_$DAY.json"
+    ;;
+  memory)  # 8 x 4,096 Kimi rows are 15 GB of random shards to write first: about 4 minutes
+    timed kimi-8x4096-recompute timeout 500 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 8 \
+      --steps 6 --warmup 2 --recompute-steps --out "$DEST/train_throughput_h200_kimi_8x4096_recompute_$DAY.json"
     ;;
   compile)
-    timed kimi-1x4096-compile timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --compile \
+    timed kimi-1x4096-compile timeout 560 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --compile \
       --out "$DEST/train_throughput_h200_kimi_1x4096_compile_$DAY.json"
-    timed smollm2-8x4096-compile timeout 280 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile --ceiling \
+    ;;
+  smollm2)  # about 5 minutes, most of it the first step's compile
+    timed smollm2-8x4096-compile timeout 400 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile --ceiling \
       --out "$DEST/train_throughput_h200_smollm2_8x4096_compile_$DAY.json"
+    timed smollm2-8x4096-eager timeout 150 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" \
+      --out "$DEST/train_throughput_h200_smollm2_8x4096_eager_$DAY.json"
     ;;
   ddp)
     timed smollm2-8x4096-ddp timeout 280 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile \
@@ -38,5 +52,5 @@ case $PART in
     timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
     ;;
-  *) echo "PART is kimi, compile or ddp, not $PART" >&2; exit 2 ;;
+  *) echo "PART is kimi, memory, compile, smollm2 or ddp, not $PART" >&2; exit 2 ;;
 esac

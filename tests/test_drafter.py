@@ -292,14 +292,17 @@ def test_rms_norm_under_autocast_gives_the_cast_its_consumers_made():
     torch.testing.assert_close(grads[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("chunk_positions", [11, 4])  # one chunk; three, the last short
+@pytest.mark.parametrize("steps", [1, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps):
-    """drafter.merge_diagonal_keys forms its own gradient, one key/value head's query group at a
-    time; judged against autograd through the same ops (merge_diagonal_keys_autograd): the same
-    output bit for bit and every input's gradient within float32 rounding."""
-    torch.manual_seed(1)
+def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, chunk_positions, monkeypatch):
+    """drafter.merge_diagonal_keys forms its own gradient, all heads at once and a chunk of
+    positions at a time, its per-position sums as small matrix products; judged against
+    autograd through the plain ops (merge_diagonal_keys_autograd): output and every input's
+    gradient within float32 rounding (in bf16: a bf16 step at most, for few values)."""
     batch, kv_heads, group, length, dim = 2, 2, 3, 11, 16
+    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", batch * kv_heads * group * dim * chunk_positions)
+    torch.manual_seed(1)
     leaves = {
         "context_out": torch.randn(batch, kv_heads * group, length, dim),
         "context_lse": torch.randn(batch, kv_heads * group, length) * 3,
@@ -318,17 +321,38 @@ def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps):
 
     out, grads = run(drafter.merge_diagonal_keys)
     reference, reference_grads = run(drafter.merge_diagonal_keys_autograd)
-    assert out.dtype == dtype and torch.equal(out, reference)
-    for name, grad, expected in zip(leaves, grads, reference_grads):
-        assert grad.dtype == expected.dtype, name
+    assert out.dtype == dtype
+    for name, got, expected in [("out", out, reference), *zip(leaves, grads, reference_grads)]:
+        assert got.dtype == expected.dtype, name
         if expected.dtype == torch.float32:  # context_lse stays float32 in both cases
             atol = 1e-6 * float(expected.abs().max())
-            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
-            assert float((grad - expected).norm()) <= 1e-6 * float(expected.norm()), name
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+            assert float((got - expected).norm()) <= 1e-6 * float(expected.norm()), name
         else:  # float32 values that differ in their last bits, rounded to bf16: one bf16 step apart at most
-            torch.testing.assert_close(grad.float(), expected.float(), rtol=8e-3, atol=1e-3,
+            torch.testing.assert_close(got.float(), expected.float(), rtol=8e-3, atol=1e-3,
                                        msg=lambda m, name=name: f"{name}: {m}")
-            assert (grad != expected).float().mean() < 0.1, name
+            assert (got != expected).float().mean() < 0.1, name
+
+
+def test_merge_of_diagonal_keys_runs_its_products_in_float32_under_autocast():
+    """Under bf16 autocast (training on a GPU), the merge's small matrix products stay in float32:
+    the same output and gradients as without autocast."""
+    torch.manual_seed(3)
+    leaves = [torch.randn(1, 4, 9, 8).to(torch.bfloat16), torch.randn(1, 4, 9) * 3,
+              torch.randn(1, 4, 9, 8).to(torch.bfloat16), torch.randn(1, 2, 9, 8).to(torch.bfloat16),
+              torch.randn(1, 2, 9, 8).to(torch.bfloat16)]
+    leaves = [leaf.requires_grad_(True) for leaf in leaves]
+    grad_out = torch.randn(1, 4, 9, 8).to(torch.bfloat16)
+
+    def run(autocast: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = drafter.merge_diagonal_keys(*leaves[:3], [leaves[3]], [leaves[4]], 2)
+        return out, torch.autograd.grad(out, leaves, grad_out)
+
+    (out, grads), (plain, plain_grads) = run(True), run(False)
+    assert torch.equal(out, plain)
+    for grad, expected in zip(grads, plain_grads):
+        assert torch.equal(grad, expected)
 
 
 @pytest.mark.parametrize("private", [False, True])

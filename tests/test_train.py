@@ -523,6 +523,31 @@ def test_head_soft_cross_entropy_equals_autograd_of_the_plain_formula(chunk_rows
         torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)  # float32 inside
 
 
+def test_compiled_loss_chunk_equals_the_eager_chunk_for_any_row_count():
+    """train.compile runs a loss chunk's elementwise part (draft_loss.soft_ce_chunk: the loss,
+    the hits, the gradient in the logits' bf16) as one compiled kernel, for every row count
+    alike. Compiled here by inductor on the CPU: the same hits, the loss within float32
+    rounding, the gradient within one bf16 step."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(draft_loss.soft_ce_chunk, dynamic=True)
+    generator = torch.Generator().manual_seed(5)
+    for rows in (13, 40):
+        logits = (torch.randn(rows, 300, generator=generator) * 4).to(torch.bfloat16)
+        target = (torch.randn(rows, 300, generator=generator) * 4).to(torch.bfloat16)
+        target_ids = target.float().argmax(-1)
+        target_ids[:3] = logits[:3].float().argmax(-1)  # a few hits at least
+        eager = draft_loss.soft_ce_chunk(logits, target, target_ids, True)
+        fused = compiled(logits, target, target_ids, True)
+        assert int(fused[1]) == int(eager[1]) == int((logits.argmax(-1) == target_ids).sum()) >= 3
+        torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-4)
+        assert fused[2].dtype == eager[2].dtype == torch.bfloat16
+        torch.testing.assert_close(fused[2].float(), eager[2].float(), rtol=8e-3, atol=1e-5)
+        no_grad = compiled(logits, target, target_ids, False)
+        assert no_grad[2] is None and int(no_grad[1]) == int(eager[1])
+
+
 def test_head_soft_cross_entropy_keeps_no_logits_and_skips_the_gradient_without_grad():
     """Without a gradient (validation) nothing is kept for a backward pass; a frozen head gets
     no weight gradient while the input still gets its own."""

@@ -415,27 +415,63 @@ def merge_diagonal_keys_autograd(context_out, context_lse, q, draft_k, draft_v, 
     return out.to(q.dtype)
 
 
+def _by_position(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, heads, t, ...] with the query heads grouped under their key/value head -> float32
+    [B, kv heads, t, group, ...]: each position's query group as the rows of a small matrix."""
+    batch, heads, length = x.shape[:3]
+    return x.float().view(batch, heads // group, group, length, *x.shape[3:]).transpose(2, 3)
+
+
+def _by_head(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_by_position`'s layout: [B, kv heads, t, group, ...] -> [B, heads, t, ...]."""
+    batch, kv_heads, length, group = x.shape[:4]
+    return x.transpose(2, 3).reshape(batch, kv_heads * group, length, *x.shape[4:])
+
+
+def _merge_shares(q32, lse32, k32, scale: float):
+    """Softmax weights of [context ; diagonal keys] at each position and query head: (context
+    share [B, KV, t, G], diagonal shares [B, KV, t, G, j]). The diagonal scores are one small
+    product per position, [G, d] x [d, j]."""
+    diagonal = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    # Any common shift is exact; the max keeps exp() in range.
+    shift = torch.maximum(lse32, diagonal.amax(-1))
+    context_weight = torch.exp(lse32 - shift)
+    diagonal_weight = torch.exp(diagonal - shift.unsqueeze(-1))
+    total = context_weight + diagonal_weight.sum(-1)
+    return context_weight / total, diagonal_weight / total.unsqueeze(-1)
+
+
 class _MergeDiagonalKeys(torch.autograd.Function):
-    """merge_diagonal_keys_autograd's output, one key/value head's query group at a time; the
-    backward pass recomputes the shares from the inputs it keeps (which the context attention
-    and the cache keep anyway), a group at a time too: the float32 temporaries of either pass
-    are a group's, not all heads'.
+    """merge_diagonal_keys_autograd's output, for all heads at once and a chunk of positions at
+    a time (CHUNK_ELEMENTS values of [B, heads, t, head_dim]: the float32 temporaries are a
+    chunk's); the backward pass recomputes the shares from the inputs it keeps (which the
+    context attention and the cache keep anyway) and forms the gradient in closed form.
 
     With a = softmax over [context lse ; diagonal scores] and values [context out ; v_i], the
-    output is sum a_x value_x; a logit's gradient is a_x (g . value_x - g . out)."""
+    output is sum a_x value_x; a logit's gradient is a_x (g . value_x - g . out), where
+    g . out = a_context (g . context out) + sum_i a_i (g . v_i). The per-position sums over the
+    j diagonal keys and the query group are small matrix products ([G, d] x [d, j] and the
+    like), so a chunk costs a few dozen kernels whatever the number of heads: on a GPU the
+    merge's kernels fill it, not launch it (a key/value head at a time, one TTT step of the
+    Kimi-shaped drafter's backward pass launched over a thousand)."""
 
     @staticmethod
     def forward(ctx, context_out, context_lse, q, group, *draft):
         steps = len(draft) // 2
         ctx.group = group
         ctx.save_for_backward(context_out, context_lse, q, *draft)
-        # The same ops a key/value head at a time: the float32 temporaries are a group's.
+        batch, heads, length, dim = q.shape
+        scale = dim**-0.5
         out = torch.empty_like(q)
-        for head in range(draft[0].shape[1]):
-            heads, one = slice(head * group, (head + 1) * group), slice(head, head + 1)
-            out[:, heads] = merge_diagonal_keys_autograd(context_out[:, heads], context_lse[:, heads], q[:, heads],
-                                                         [k[:, one] for k in draft[:steps]],
-                                                         [v[:, one] for v in draft[steps:]], group)
+        # float32 inside, under autocast too: the small products are not to run in half precision.
+        with torch.autocast(q.device.type, enabled=False):
+            for part in _row_chunks(length, batch * heads * dim):
+                q32 = _by_position(q[:, :, part], group)
+                k32 = torch.stack([k[:, :, part] for k in draft[:steps]], dim=-2).float()  # [B, KV, t, j, d]
+                v32 = torch.stack([v[:, :, part] for v in draft[steps:]], dim=-2).float()
+                context_share, shares = _merge_shares(q32, _by_position(context_lse[:, :, part], group), k32, scale)
+                merged = _by_position(context_out[:, :, part], group) * context_share.unsqueeze(-1)
+                out[:, :, part] = _by_head(merged + torch.matmul(shares, v32))
         return out
 
     @staticmethod
@@ -443,40 +479,33 @@ class _MergeDiagonalKeys(torch.autograd.Function):
         context_out, context_lse, q, *draft = ctx.saved_tensors
         steps, group = len(draft) // 2, ctx.group
         draft_k, draft_v = draft[:steps], draft[steps:]
-        scale = q.shape[-1] ** -0.5
+        batch, heads, length, dim = q.shape
+        scale = dim**-0.5
         grad_context = torch.empty_like(context_out)
         grad_lse = torch.empty_like(context_lse)
         grad_q = torch.empty_like(q)
         grad_k = [torch.empty_like(k) for k in draft_k]
         grad_v = [torch.empty_like(v) for v in draft_v]
-        for head in range(draft_k[0].shape[1]):
-            heads = slice(head * group, (head + 1) * group)
-            q32 = q[:, heads].float()
-            keys = [k[:, head, None].float() for k in draft_k]  # [B, 1, T, d]: broadcast over the group
-            values = [v[:, head, None].float() for v in draft_v]
-            lse = context_lse[:, heads]
-            diagonal = [(q32 * k).sum(-1) * scale for k in keys]
-            shift = torch.maximum(lse, torch.stack(diagonal, -1).amax(-1))
-            context_weight = torch.exp(lse - shift)
-            diagonal_weight = [torch.exp(d - shift) for d in diagonal]
-            total = context_weight + torch.stack(diagonal_weight, -1).sum(-1)
-            context_share = context_weight / total
-            shares = [w / total for w in diagonal_weight]
-            context32 = context_out[:, heads].float()
-            out = context32 * context_share[..., None]
-            for share, v in zip(shares, values):
-                out = out + share[..., None] * v
-            g = grad_out[:, heads].float()
-            g_out = (g * out).sum(-1)
-            grad_context[:, heads] = (g * context_share[..., None]).to(context_out.dtype)
-            grad_lse[:, heads] = context_share * ((g * context32).sum(-1) - g_out)
-            grad_q32 = torch.zeros_like(q32)
-            for i, (share, k, v) in enumerate(zip(shares, keys, values)):
-                grad_score = (share * ((g * v).sum(-1) - g_out) * scale)[..., None]
-                grad_q32 += grad_score * k
-                grad_k[i][:, head] = (grad_score * q32).sum(1).to(grad_k[i].dtype)
-                grad_v[i][:, head] = (share[..., None] * g).sum(1).to(grad_v[i].dtype)
-            grad_q[:, heads] = grad_q32.to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            for part in _row_chunks(length, batch * heads * dim):
+                q32 = _by_position(q[:, :, part], group)
+                context32 = _by_position(context_out[:, :, part], group)
+                k32 = torch.stack([k[:, :, part] for k in draft_k], dim=-2).float()
+                v32 = torch.stack([v[:, :, part] for v in draft_v], dim=-2).float()
+                context_share, shares = _merge_shares(q32, _by_position(context_lse[:, :, part], group), k32, scale)
+                g = _by_position(grad_out[:, :, part], group)
+                g_context = (g * context32).sum(-1)  # [B, KV, t, G]
+                g_values = torch.matmul(g, v32.transpose(-1, -2))  # [B, KV, t, G, j]
+                g_out = context_share * g_context + (shares * g_values).sum(-1)
+                grad_context[:, :, part] = _by_head(g * context_share.unsqueeze(-1))
+                grad_lse[:, :, part] = _by_head(context_share * (g_context - g_out))
+                grad_score = shares * (g_values - g_out.unsqueeze(-1)) * scale
+                grad_q[:, :, part] = _by_head(torch.matmul(grad_score, k32))
+                grad_keys = torch.matmul(grad_score.transpose(-1, -2), q32)  # [B, KV, t, j, d]: summed over the group
+                grad_values = torch.matmul(shares.transpose(-1, -2), g)
+                for i in range(steps):
+                    grad_k[i][:, :, part] = grad_keys[..., i, :]
+                    grad_v[i][:, :, part] = grad_values[..., i, :]
         return (grad_context, grad_lse, grad_q, None, *grad_k, *grad_v)
 
 

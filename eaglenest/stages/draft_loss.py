@@ -19,19 +19,24 @@ from __future__ import annotations
 import torch
 
 
-def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, with_grad: bool):
-    """(sum over rows of -sum_k p_k log softmax(z)_k, d/dz of that sum or None), in float32,
-    for z = ``logits`` and p = softmax(``target_logits``), both [rows, vocab].
+def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids: torch.Tensor, with_grad: bool):
+    """(sum over rows of -sum_k p_k log softmax(z)_k in float32, top-1 hits (argmax z ==
+    ``target_ids``), d/dz of that sum in ``logits``' dtype or None), for z = ``logits`` and
+    p = softmax(``target_logits``), both [rows, vocab].
 
     sum_k p_k (lse(z) - z_k) = lse(z) - p . z since the p_k of a row sum to one; the gradient
-    softmax(z) - p overwrites the float32 copy of z in place."""
+    softmax(z) - p overwrites the float32 copy of z in place. Hits and the gradient's cast are
+    read from the same pass, so a compiled chunk reads each [rows, vocab] block once and writes
+    the gradient once, in the dtype the head's products take it in."""
     z = logits.float()
+    # z is logits widened exactly: the same argmax, ties included.
+    hits = (z.argmax(-1) == target_ids).sum()
     lse = torch.logsumexp(z, dim=-1)
     p = torch.softmax(target_logits.float(), dim=-1)
     total = lse.sum() - torch.dot(p.flatten(), z.flatten())
     if not with_grad:
-        return total, None
-    return total, z.sub_(lse.unsqueeze(-1)).exp_().sub_(p)
+        return total, hits, None
+    return total, hits, z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(logits.dtype)
 
 
 _compiled_chunk = None
@@ -80,12 +85,10 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, x.shape[0], chunk_rows):
             part = slice(start, start + chunk_rows)
-            logits = x[part] @ w.T
-            hits += (logits.argmax(-1) == target_ids[part]).sum()
-            part_total, grad_logits = chunk(logits, target_logits[part], with_grad)
+            part_total, part_hits, grad_logits = chunk(x[part] @ w.T, target_logits[part], target_ids[part], with_grad)
             total += part_total
+            hits += part_hits
             if with_grad:
-                grad_logits = grad_logits.to(compute)
                 if want_input:
                     grad_input[part] = grad_logits @ w
                 if want_weight:
