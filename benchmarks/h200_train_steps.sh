@@ -9,6 +9,9 @@
 #                                                      # for minutes: alone in its call)
 #   PART=smollm2 bash benchmarks/h200_train_steps.sh   # SmolLM2 8 x 4,096 compiled beside its ceiling (the
 #                                                      # real run's step), then eager
+#   PART=smollm2-goal bash benchmarks/h200_train_steps.sh  # the step of the training-speed goal's figure
+#                                                      # (2026-11-29: 8 rows of 4,096 in samples of 1,024,
+#                                                      # draft vocabulary 8,192), compiled beside its ceiling
 #   PART=ddp     bash benchmarks/h200_train_steps.sh   # two H200s of one host: one process against two (DDP)
 #                                                      # at the same global batch, SmolLM2 and Kimi (2 x 4,096)
 # Needs torch, safetensors, transformers and jsonschema (eaglenest's settings validate against
@@ -16,7 +19,7 @@
 # referencing, jsonschema-specifications and rpds-py). The benchmark makes its own random target
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
-PART=${PART:?PART=kimi, memory, compile, smollm2 or ddp}
+PART=${PART:?PART=kimi, memory, compile, smollm2, smollm2-goal or ddp}
 DEST=${DEST:-benchmarks/results}
 # Files are named by TAG: the date unless given (the commit measured, when a day holds several)
 DAY=${TAG:-$(date -u +%F)}
@@ -46,11 +49,16 @@ case $PART in
     timed smollm2-8x4096-eager timeout 150 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" \
       --out "$DEST/train_throughput_h200_smollm2_8x4096_eager_$DAY.json"
     ;;
+  smollm2-goal)
+    timed smollm2-goal-compile timeout 400 python3 benchmarks/train_throughput.py --shape smollm2 --rows 8 \
+      --token-budget 4096 --sample-len 1024 --steps 10 --warmup 4 --compile --ceiling \
+      --out "$DEST/train_throughput_h200_smollm2_goal_shape_compile_$DAY.json"
+    ;;
   ddp)
     timed smollm2-8x4096-ddp timeout 280 python3 benchmarks/train_throughput.py "${SMOLLM2[@]}" --compile \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_smollm2_8x4096_ddp_$DAY.json"
     timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
     ;;
-  *) echo "PART is kimi, memory, compile, smollm2 or ddp, not $PART" >&2; exit 2 ;;
+  *) echo "PART is kimi, memory, compile, smollm2, smollm2-goal or ddp, not $PART" >&2; exit 2 ;;
 esac

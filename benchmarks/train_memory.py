@@ -6,7 +6,9 @@ nothing is allocated and no GPU is needed, but every tensor the step makes has i
 and dtype. Each storage is counted from the op that makes it until the last reference to it
 goes, and the breakdown at the peak names the phase, the drafter module (forward pass), the op
 and the last dimension of what is live: the answer to "what fills the memory" that a GPU's
-allocator statistics do not give.
+allocator statistics do not give. It also counts the step's operators (views left out) by phase
+and, in the forward pass, by module: about the kernels an eager GPU step launches, each with
+its host-side cost whatever its size.
 
 What stands in for the GPU step:
 - FlexAttention's compiled kernel is an autograd function that returns its outputs' shapes and
@@ -75,6 +77,8 @@ class LiveStorages(TorchDispatchMode):
         self.total = self.peak = 0
         self.peak_phase = ""
         self.at_peak: dict[tuple[str, str, str, str], int] = {}
+        # Operators other than views, by (phase, module): what an eager GPU step launches, about.
+        self.operators: collections.Counter = collections.Counter()
 
     def _count(self, func, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -102,6 +106,9 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "aten" and not func.is_view:  # not the device and size queries
+            module = self.module_stack[-1] if self.phase == "forward" and self.module_stack else ""
+            self.operators[(self.phase, module)] += 1
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor):
                 self._count(func, item)
@@ -148,7 +155,9 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
             }
             # Every position counts at every step but the last few of the row: the most a step can hold.
             positions = [torch.arange(tokens - 2 - j) for j in range(ttt_length)]
-            for _ in range(steps):
+            for step in range(steps):
+                if step == steps - 1:  # the operators of the last step alone
+                    counter.operators.clear()
                 counter.phase = "target head"
                 target_logits = torch.empty(tokens, config.draft_vocab_size, dtype=target_head.dtype)
                 # The step's last hidden states: read by the target's head, then dropped (as _train does).
@@ -178,6 +187,9 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
     for (phase, _, _, _), nbytes in counter.at_peak.items():
         by_phase[phase] += nbytes
     top = sorted(counter.at_peak.items(), key=lambda item: -item[1])
+    operators = collections.Counter()
+    for (phase, _), count in counter.operators.items():
+        operators[phase] += count
     return {
         "rows": rows, "row_tokens": row_tokens, "tokens_per_step": tokens, "ttt_length": ttt_length,
         "recompute_steps": recompute_steps, "trainable_parameters": sum(p.numel() for p in trainable),
@@ -185,12 +197,17 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
         "live_at_peak_gib_by_phase_made": {phase: nbytes / GIB for phase, nbytes in by_phase.most_common()},
         "live_at_peak": [{"made_in": phase, "module": module, "op": op, "dtype": dtype, "gib": nbytes / GIB}
                          for (phase, module, op, dtype), nbytes in top],
+        "operators_per_step": dict(operators),
+        "forward_operators_by_module": {module or "(none)": count for (phase, module), count
+                                        in counter.operators.most_common() if phase == "forward"},
     }
 
 
 def print_table(result: dict, shape_name: str, rows_shown: int) -> None:
     print(f"{shape_name}, {result['rows']} x {result['row_tokens']} tokens, TTT {result['ttt_length']}, "
           f"recompute_steps {result['recompute_steps']}: peak {result['peak_gib']:.2f} GiB (during {result['peak_during']})")
+    print("  operators a step (views left out), by phase: " + ", ".join(
+        f"{phase} {count}" for phase, count in result["operators_per_step"].items()))
     print("  live at the peak, by the phase that made it: " + ", ".join(
         f"{phase} {gib:.2f}" for phase, gib in result["live_at_peak_gib_by_phase_made"].items()))
     print(f"  {'GiB':>7}  {'made in':<11} {'module':<32} {'dtype':<9} op")

@@ -146,3 +146,8 @@ def test_train_memory_counts_the_optimizer_exactly_and_recompute_lowers_the_peak
                        "--out", str(out)])
     (run,) = json.loads(out.read_text())["runs"]
     assert run["shape"] == "smollm2" and run["live_at_peak"][0]["gib"] >= run["live_at_peak"][-1]["gib"]
+    # The operator count: each phase's, and the drafter's modules in the forward pass.
+    assert set(run["operators_per_step"]) == {"target head", "forward", "backward", "optimizer"}
+    assert run["operators_per_step"]["optimizer"] <= 4  # fused AdamW, not a loop over parameters
+    assert sum(run["forward_operators_by_module"].values()) == run["operators_per_step"]["forward"]
+    assert run["forward_operators_by_module"]["midlayer.self_attn"] > 0

@@ -334,6 +334,36 @@ def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, ch
             assert (got != expected).float().mean() < 0.1, name
 
 
+def test_merge_of_diagonal_keys_runs_as_many_operators_for_any_number_of_heads():
+    """The merge's operators do not grow with the heads (they did, a key/value head at a time:
+    about 1,900 operators in the backward pass of a Kimi-shaped drafter's last TTT step, each
+    too small to fill a GPU); the j diagonal keys add a handful each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.operators = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operators += func.namespace == "aten" and not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    def operators(kv_heads: int, steps: int) -> int:
+        group, length, dim = 7, 5, 8
+        inputs = [torch.randn(1, kv_heads * group, length, dim, requires_grad=True),
+                  torch.randn(1, kv_heads * group, length, requires_grad=True),
+                  torch.randn(1, kv_heads * group, length, dim, requires_grad=True),
+                  [torch.randn(1, kv_heads, length, dim, requires_grad=True) for _ in range(steps)],
+                  [torch.randn(1, kv_heads, length, dim, requires_grad=True) for _ in range(steps)]]
+        with Count() as count:
+            drafter.merge_diagonal_keys(*inputs, group).sum().backward()
+        return count.operators
+
+    assert operators(2, 3) == operators(8, 3)
+    assert operators(8, 6) - operators(8, 1) <= 10 * 5
+
+
 def test_merge_of_diagonal_keys_runs_its_products_in_float32_under_autocast():
     """Under bf16 autocast (training on a GPU), the merge's small matrix products stay in float32:
     the same output and gradients as without autocast."""
