@@ -417,8 +417,8 @@ def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monke
 
 
 def test_compiled_layer_traces_the_drafter_s_own_autograd_functions():
-    """train.compile compiles the drafter's layer; its norms, diagonal-key merge and gate are
-    autograd functions of the drafter's own. On the CPU (inductor), the compiled layer must
+    """train.compile compiles the drafter's layer and final norm; its norms, diagonal-key merge
+    and gate are autograd functions of the drafter's own. On the CPU (inductor), the compiled layer must
     trace them with no graph break and give the eager layer's logits and gradients."""
     import torch._dynamo
 
@@ -439,7 +439,7 @@ def test_compiled_layer_traces_the_drafter_s_own_autograd_functions():
         torch.manual_seed(0)
         model = drafter.Eagle3Drafter(config)
         if compiled:
-            model.midlayer.compile(dynamic=False)
+            train.compile_drafter(model)
         objective = train.TTTObjective(model, 3, attention_backend="dense")
         logits = [model.compute_logits(normed) for _, normed in objective.unroll(batch)]
         sum((w * out).sum() for w, out in zip(weights, logits)).backward()

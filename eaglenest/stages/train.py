@@ -267,6 +267,15 @@ def most_frequent_draft_id(draft_vocab: dict) -> int:
     return int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
 
 
+def compile_drafter(model: drafter_lib.Eagle3Drafter) -> None:
+    """train.compile: the drafter's layer and its final norm, each step's elementwise work fused
+    around the products (the loss's chunk is compiled in eaglenest.stages.draft_loss)."""
+    # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    model.midlayer.compile(dynamic=False)
+    model.norm.compile(dynamic=False)
+
+
 def hidden_dtype_on(device: torch.device) -> torch.dtype:
     """The dtype hidden states are fed in: bf16 on a GPU (autocast), float32 on a CPU."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -565,9 +574,7 @@ def _train(
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
                              settings["recompute_steps"], compile_loss=settings["compile"])
     if settings["compile"] and device.type == "cuda":
-        # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        model.midlayer.compile(dynamic=False)
+        compile_drafter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings["lr"], betas=(0.9, 0.95),
                                   weight_decay=settings["weight_decay"], fused=device.type == "cuda")
