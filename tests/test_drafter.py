@@ -416,11 +416,15 @@ def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monke
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, leaves, grad_out), grads))
 
 
-def test_compiled_layer_traces_the_drafter_s_own_autograd_functions():
+def test_compiled_layer_traces_the_drafter_s_own_autograd_functions(monkeypatch):
     """train.compile compiles the drafter's layer and final norm; its norms, diagonal-key merge
     and gate are autograd functions of the drafter's own. On the CPU (inductor), the compiled layer must
-    trace them with no graph break and give the eager layer's logits and gradients."""
+    trace them with no graph break and give the eager layer's logits and gradients. Chunks are
+    small here: eagerly the norms, the gate and the merge run in several; compiled, the norms
+    and the gate run whole."""
     import torch._dynamo
+
+    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", 1024)
 
     from eaglenest.stages import train
 

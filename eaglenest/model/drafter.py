@@ -187,7 +187,8 @@ class DrafterConfig:
 # Values a norm or the MLP's gate handles at once outside its matmuls (2^24: 64 MiB for a
 # float32 temporary): 2,340 rows of a Kimi-shaped drafter's H 7,168 (910 of its MLP's 18,432),
 # 29,127 of SmolLM2's H 576, so a small model's step, bound by kernel launches, is cut into a
-# couple of chunks at most. A module constant, which torch.compile reads as one.
+# couple of chunks at most. A module constant, which torch.compile reads as one (compiled, only
+# the merge of the diagonal keys runs in chunks: _elementwise_chunks).
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -195,6 +196,13 @@ def _row_chunks(rows: int, width: int) -> list[slice]:
     """Slices of ``rows`` rows of ``width`` values, CHUNK_ELEMENTS values a slice at most."""
     step = max(1, CHUNK_ELEMENTS // width)
     return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+def _elementwise_chunks(rows: int, width: int) -> list[slice]:
+    """:func:`_row_chunks` for work that is elementwise or reduces along a row (the norms, the
+    gate): one slice under torch.compile, whose fused kernels keep no float32 temporaries, so
+    chunks would only repeat kernels in the graph (and its compile)."""
+    return [slice(0, rows)] if torch.compiler.is_compiling() else _row_chunks(rows, width)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -221,7 +229,7 @@ class _RMSNorm(torch.autograd.Function):
         out = torch.empty(rows_x.shape, dtype=out_dtype, device=x.device)
         inv_rms = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
         # Row by row the same ops: chunks of rows keep the float32 temporaries a chunk's.
-        for part in _row_chunks(rows_x.shape[0], size):
+        for part in _elementwise_chunks(rows_x.shape[0], size):
             x32 = rows_x[part].float()
             inv_rms[part] = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             out[part] = weight * (x32 * inv_rms[part]).to(x.dtype)
@@ -236,7 +244,7 @@ class _RMSNorm(torch.autograd.Function):
         rows_x, rows_g = x.reshape(-1, size), grad_out.reshape(-1, size)
         grad_x = torch.empty_like(rows_x) if want_x else None
         grad_weight = torch.zeros(size, dtype=torch.float32, device=x.device) if want_weight else None
-        for part in _row_chunks(rows_x.shape[0], size):
+        for part in _elementwise_chunks(rows_x.shape[0], size):
             x32, r, g = rows_x[part].float(), inv_rms[part], rows_g[part].float()
             if want_weight:
                 grad_weight += (g * (x32 * r).to(x.dtype)).sum(0)
@@ -451,9 +459,10 @@ class _MergeDiagonalKeys(torch.autograd.Function):
     output is sum a_x value_x; a logit's gradient is a_x (g . value_x - g . out), where
     g . out = a_context (g . context out) + sum_i a_i (g . v_i). The per-position sums over the
     j diagonal keys and the query group are small matrix products ([G, d] x [d, j] and the
-    like), so a chunk costs a few dozen kernels whatever the number of heads: on a GPU the
-    merge's kernels fill it, not launch it (a key/value head at a time, one TTT step of the
-    Kimi-shaped drafter's backward pass launched over a thousand)."""
+    like), so a chunk costs a few dozen operators whatever the number of heads, each large
+    enough to fill a GPU. Run a key/value head at a time, the backward pass of the last TTT
+    step's merge alone took about 1,900 operators for a Kimi-shaped drafter, each over a few MB
+    (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, context_out, context_lse, q, group, *draft):
@@ -601,7 +610,7 @@ class _SwiGLU(torch.autograd.Function):
         grad_up = (rows_up if in_place else torch.empty_like(rows_up)) if ctx.needs_input_grad[1] else None
         # Elementwise, so chunks of rows give the same values; the temporaries are a chunk's.
         # In this order, each chunk's gate and up are read before their gradients replace them.
-        for part in _row_chunks(rows_gate.shape[0], width):
+        for part in _elementwise_chunks(rows_gate.shape[0], width):
             through_up = rows_grad[part] * rows_up[part] if grad_gate is not None else None
             if grad_up is not None:
                 grad_up[part] = rows_grad[part] * F.silu(rows_gate[part])
