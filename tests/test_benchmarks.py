@@ -151,3 +151,17 @@ def test_train_memory_counts_the_optimizer_exactly_and_recompute_lowers_the_peak
     assert run["operators_per_step"]["optimizer"] <= 4  # fused AdamW, not a loop over parameters
     assert sum(run["forward_operators_by_module"].values()) == run["operators_per_step"]["forward"]
     assert run["forward_operators_by_module"]["midlayer.self_attn"] > 0
+
+
+def test_compile_time_benchmark_compiles_every_ttt_step_with_no_graph_break(tmp_path):
+    """benchmarks/compile_time.py, small: one graph per TTT step and one for the final norm,
+    none broken, timed from an empty inductor cache, with the code of this checkout."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import compile_time
+
+    out = tmp_path / "compile.json"
+    compile_time.main(["--shape", "smollm2", "--hidden", "64", "--tokens", "16", "--ttt-length", "2", "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["graphs"] == 3 and run["graph_breaks"] == 0, run
+    assert 0 < run["forward_seconds"] <= run["first_step_seconds"]
+    assert Path(run["eaglenest"]) == REPO
