@@ -19,6 +19,7 @@
 # referencing, jsonschema-specifications and rpds-py). The benchmark makes its own random target
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
+# PART may name several, run in that order: PART="kimi memory" fills one 10-minute call.
 PART=${PART:?PART=kimi, memory, compile, smollm2, smollm2-goal or ddp}
 DEST=${DEST:-benchmarks/results}
 # Files are named by TAG: the date unless given (the commit measured, when a day holds several)
@@ -28,7 +29,8 @@ KIMI=(--shape kimi --token-budget 4096 --sample-len 4096 --steps 8 --warmup 3)
 SMOLLM2=(--shape smollm2 --rows 8 --token-budget 4096 --sample-len 2048 --hidden-dtype float8_e4m3 --draft-vocab 32000
          --steps 10 --warmup 4)
 mkdir -p "$DEST"
-case $PART in
+for part in $PART; do
+case $part in
   kimi)  # about 4 minutes on one H200 (2026-12-02)
     timed kimi-1x4096 timeout 280 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling \
       --out "$DEST/train_throughput_h200_kimi_1x4096_$DAY.json"
@@ -60,5 +62,6 @@ case $PART in
     timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
     ;;
-  *) echo "PART is kimi, memory, compile, smollm2, smollm2-goal or ddp, not $PART" >&2; exit 2 ;;
+  *) echo "PART is kimi, memory, compile, smollm2, smollm2-goal or ddp, not $part" >&2; exit 2 ;;
 esac
+done
