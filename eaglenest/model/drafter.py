@@ -449,6 +449,17 @@ def _merge_shares(q32, lse32, k32, scale: float):
     return context_weight / total, diagonal_weight / total.unsqueeze(-1)
 
 
+def _merge_chunk(part: slice, context_lse, q, draft_k, draft_v, group: int):
+    """What both passes of the merge read of one chunk of positions: (q32 [B, KV, t, G, d], the
+    stacked keys and values k32, v32 [B, KV, t, j, d], the context share, the diagonal shares),
+    in float32."""
+    q32 = _by_position(q[:, :, part], group)
+    k32 = torch.stack([k[:, :, part] for k in draft_k], dim=-2).float()
+    v32 = torch.stack([v[:, :, part] for v in draft_v], dim=-2).float()
+    context_share, shares = _merge_shares(q32, _by_position(context_lse[:, :, part], group), k32, q.shape[-1] ** -0.5)
+    return q32, k32, v32, context_share, shares
+
+
 class _MergeDiagonalKeys(torch.autograd.Function):
     """merge_diagonal_keys_autograd's output, for all heads at once and a chunk of positions at
     a time (CHUNK_ELEMENTS values of [B, heads, t, head_dim]: the float32 temporaries are a
@@ -470,15 +481,11 @@ class _MergeDiagonalKeys(torch.autograd.Function):
         ctx.group = group
         ctx.save_for_backward(context_out, context_lse, q, *draft)
         batch, heads, length, dim = q.shape
-        scale = dim**-0.5
         out = torch.empty_like(q)
         # float32 inside, under autocast too: the small products are not to run in half precision.
         with torch.autocast(q.device.type, enabled=False):
             for part in _row_chunks(length, batch * heads * dim):
-                q32 = _by_position(q[:, :, part], group)
-                k32 = torch.stack([k[:, :, part] for k in draft[:steps]], dim=-2).float()  # [B, KV, t, j, d]
-                v32 = torch.stack([v[:, :, part] for v in draft[steps:]], dim=-2).float()
-                context_share, shares = _merge_shares(q32, _by_position(context_lse[:, :, part], group), k32, scale)
+                _, _, v32, context_share, shares = _merge_chunk(part, context_lse, q, draft[:steps], draft[steps:], group)
                 merged = _by_position(context_out[:, :, part], group) * context_share.unsqueeze(-1)
                 out[:, :, part] = _by_head(merged + torch.matmul(shares, v32))
         return out
@@ -497,11 +504,8 @@ class _MergeDiagonalKeys(torch.autograd.Function):
         grad_v = [torch.empty_like(v) for v in draft_v]
         with torch.autocast(q.device.type, enabled=False):
             for part in _row_chunks(length, batch * heads * dim):
-                q32 = _by_position(q[:, :, part], group)
+                q32, k32, v32, context_share, shares = _merge_chunk(part, context_lse, q, draft_k, draft_v, group)
                 context32 = _by_position(context_out[:, :, part], group)
-                k32 = torch.stack([k[:, :, part] for k in draft_k], dim=-2).float()
-                v32 = torch.stack([v[:, :, part] for v in draft_v], dim=-2).float()
-                context_share, shares = _merge_shares(q32, _by_position(context_lse[:, :, part], group), k32, scale)
                 g = _by_position(grad_out[:, :, part], group)
                 g_context = (g * context32).sum(-1)  # [B, KV, t, G]
                 g_values = torch.matmul(g, v32.transpose(-1, -2))  # [B, KV, t, G, j]
