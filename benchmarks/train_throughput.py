@@ -282,8 +282,10 @@ def plain_layer(model: drafter.Eagle3Drafter, ids, hidden, positions):
     return model.norm(out), out
 
 
-def bench_ceiling(name: str, args, device: torch.device) -> dict:
-    """The plain eager step of the same shape and tokens (see the module docstring)."""
+def ceiling_step(name: str, args, device: torch.device):
+    """The plain eager step of the same shape and tokens (see the module docstring), ready to
+    run: (step(), its FLOPs, tokens a step). step() takes an optional ``mark(phase)`` called as
+    each phase is queued (benchmarks/train_step_anatomy.py)."""
     shape = shape_of(name, args)
     config = drafter_config(shape)
     torch.manual_seed(0)
@@ -298,20 +300,31 @@ def bench_ceiling(name: str, args, device: torch.device) -> dict:
     positions = torch.arange(length, device=device).expand(rows, length)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
-    def step():
+    def step(mark=lambda phase: None):
+        mark("forward")
         with autocast:
             hidden = model.fc(aux)
             loss = 0.0
             for j in range(args.ttt_length):
                 normed, hidden = plain_layer(model, ids, hidden, positions + j)
                 loss = loss + F.cross_entropy(model.lm_head(normed).flatten(0, 1), labels)
+        mark("backward")
         loss.backward()
+        mark("optimizer")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # as eaglenest's step: no gradients held through the forward pass
+        mark("end")
 
+    record = {"tokens": rows * length, "positions": [rows * length] * args.ttt_length}
+    return step, step_flops(config, record, length), rows * length
+
+
+def bench_ceiling(name: str, args, device: torch.device) -> dict:
+    """The plain eager step of the same shape and tokens (see the module docstring), timed."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    step, flops_per_step, tokens_per_step = ceiling_step(name, args, device)
     for _ in range(args.warmup):
         step()
     timed = max(1, args.steps - args.warmup)
@@ -323,15 +336,12 @@ def bench_ceiling(name: str, args, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
-    tokens = rows * length * timed
-    record = {"tokens": rows * length, "positions": [rows * length] * args.ttt_length}
-    flops = step_flops(config, record, length) * timed
     result = {"shape": name, "step": "ceiling (plain eager, causal flash attention, no TTT mask)",
-              "tokens_per_step": rows * length, "steps_timed": timed, "tokens_per_s": tokens / seconds,
-              "model_tflops_per_s": flops / seconds / 1e12, "data_wait_fraction": 0.0}
+              "tokens_per_step": tokens_per_step, "steps_timed": timed, "tokens_per_s": tokens_per_step * timed / seconds,
+              "model_tflops_per_s": flops_per_step * timed / seconds / 1e12, "data_wait_fraction": 0.0}
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    del model, optimizer
+    del step
     return result
 
 

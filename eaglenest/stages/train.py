@@ -431,6 +431,53 @@ def to_device(batch, device, hidden_dtype):
     return moved
 
 
+def train_step(objective, head: TargetHead, batch: dict | None, local_tokens: float, decay_weights: list[float],
+               trainable: list[torch.Tensor], optimizer, max_grad_norm: float, autocast, mark=None):
+    """One optimizer step on a batch already on the device (None: a rank with no row this step):
+    the target's soft labels, the counted positions, the TTT unroll's loss, backward, gradient
+    clipping, the optimizer. ``objective`` is the TTTObjective or its DDP wrapper.
+    Returns (per-step results, the global counts [positions per TTT step, tokens] as a device
+    tensor, the gradient norm). ``mark(phase)`` is called as each phase is queued ("target head",
+    "forward", "backward", "clip", "optimizer", "end"): benchmarks/train_step_anatomy.py times
+    the phases from it."""
+    mark = mark or (lambda phase: None)
+    length = len(decay_weights)
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    device = next(p.device for p in trainable)
+    mark("target head")
+    if batch is not None:
+        # The target's last hidden states serve the soft labels only: gone before the
+        # drafter's forward pass (0.44 GiB a step of 32,768 tokens at H 7,168).
+        target_logits, in_draft = head(batch.pop("last_hidden").flatten(0, 1))
+        positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
+        local_counts = [float(p.numel()) for p in positions] + [local_tokens]
+    else:
+        target_logits, positions = None, None
+        local_counts = [0.0] * (length + 1)
+    global_counts = torch.tensor(local_counts, dtype=torch.float64).to(device, non_blocking=True)
+    if distributed:
+        dist.all_reduce(global_counts)
+    # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
+    step_weights = torch.stack([w * world_size / global_counts[j].clamp(min=1.0)
+                                for j, w in enumerate(decay_weights)])
+    mark("forward")
+    with autocast:
+        loss, results = objective(batch, target_logits, positions, step_weights)
+    mark("backward")
+    loss.backward()
+    mark("clip")
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+    mark("optimizer")
+    optimizer.step()
+    # Free the gradients now, not before the next backward pass: kept, they would sit through
+    # the next forward pass, at its peak (3.6 GiB for the Kimi-shaped drafter,
+    # benchmarks/train_memory.py).
+    optimizer.zero_grad(set_to_none=True)
+    mark("end")
+    return results, global_counts, grad_norm
+
+
 # ---- validation ---------------------------------------------------------------------------------------
 
 
@@ -674,30 +721,8 @@ def _train(
             waited, waited_before = stream.wait_seconds - waited_before, stream.wait_seconds
             local_tokens = float(batch["tokens"]) if batch is not None else 0.0
             batch = to_device(batch, device, hidden_dtype)
-            if batch is not None:
-                # The target's last hidden states serve the soft labels only: gone before the
-                # drafter's forward pass (0.44 GiB a step of 32,768 tokens at H 7,168).
-                target_logits, in_draft = head(batch.pop("last_hidden").flatten(0, 1))
-                positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
-                local_counts = [float(p.numel()) for p in positions] + [local_tokens]
-            else:
-                target_logits, positions = None, None
-                local_counts = [0.0] * (length + 1)
-            global_counts = torch.tensor(local_counts, dtype=torch.float64).to(device, non_blocking=True)
-            if distributed:
-                dist.all_reduce(global_counts)
-            # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
-            step_weights = torch.stack([w * world_size / global_counts[j].clamp(min=1.0)
-                                        for j, w in enumerate(decay_weights)])
-            with autocast:
-                loss, results = ddp(batch, target_logits, positions, step_weights)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, settings["max_grad_norm"])
-            optimizer.step()
-            # Free the gradients now, not before the next backward pass: kept, they would sit through
-            # the next forward pass, at its peak (3.6 GiB for the Kimi-shaped drafter,
-            # benchmarks/train_memory.py).
-            optimizer.zero_grad(set_to_none=True)
+            results, global_counts, grad_norm = train_step(ddp, head, batch, local_tokens, decay_weights, trainable,
+                                                           optimizer, settings["max_grad_norm"], autocast)
             scheduler.step()
             stats = torch.cat([
                 torch.stack([torch.as_tensor(ce, device=device).detach().to(torch.float64) for ce, _, _ in results]),
