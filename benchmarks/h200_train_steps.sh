@@ -2,8 +2,10 @@
 # The training step's measurements of docs/performance.md on one H200, each part within one
 # 10-minute call. Every benchmark JSON is written to $DEST as soon as it exists (a node that
 # goes away keeps nothing), named by the date and the part.
-#   PART=kimi    bash benchmarks/h200_train_steps.sh   # 1 x 4,096 eager beside its ceiling, then its
-#                                                      # operator profile
+#   PART=kimi    bash benchmarks/h200_train_steps.sh   # 1 x 4,096 eager beside its ceiling (--check first)
+#   PART=profile bash benchmarks/h200_train_steps.sh   # its operator profile over the whole training call
+#   PART=anatomy bash benchmarks/h200_train_steps.sh   # benchmarks/train_step_anatomy.py: 1 x 4,096 beside its
+#                                                      # ceiling, then the peak of 8 x 4,096 recomputed
 #   PART=memory  bash benchmarks/h200_train_steps.sh   # 8 x 4,096 with train.recompute_steps (the 40 GB goal)
 #   PART=compile bash benchmarks/h200_train_steps.sh   # Kimi 1 x 4,096 compiled (its first step compiles
 #                                                      # for minutes: alone in its call)
@@ -20,7 +22,7 @@
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
 # PART may name several, run in that order: PART="kimi memory" fills one 10-minute call.
-PART=${PART:?PART=kimi, memory, compile, smollm2, smollm2-goal or ddp}
+PART=${PART:?PART=kimi, profile, anatomy, memory, compile, smollm2, smollm2-goal or ddp}
 DEST=${DEST:-benchmarks/results}
 # Files are named by TAG: the date unless given (the commit measured, when a day holds several)
 DAY=${TAG:-$(date -u +%F)}
@@ -31,11 +33,22 @@ SMOLLM2=(--shape smollm2 --rows 8 --token-budget 4096 --sample-len 2048 --hidden
 mkdir -p "$DEST"
 for part in $PART; do
 case $part in
-  kimi)  # about 4 minutes on one H200 (2026-12-02)
-    timed kimi-1x4096 timeout 280 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling \
+  kimi)  # about 4 minutes on one H200 (2026-12-02); --check first compares the GPU's attention and merge
+         # of the diagonal keys with the dense path and autograd's (float32)
+    timed kimi-1x4096 timeout 400 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling --check \
       --out "$DEST/train_throughput_h200_kimi_1x4096_$DAY.json"
+    ;;
+  profile)
     timed kimi-1x4096-profile timeout 200 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --steps 5 \
       --warmup 2 --profile --out "$DEST/train_throughput_h200_kimi_1x4096_profile_$DAY.json"
+    ;;
+  anatomy)  # where the Kimi-shaped step's time goes (phases, ablations, kernels by kind, beside the ceiling),
+            # then the peak of 8 x 4,096 with train.recompute_steps from the same step (no shards to write)
+    timed kimi-1x4096-anatomy timeout 300 python3 benchmarks/train_step_anatomy.py --shape kimi --rows 1 \
+      --token-budget 4096 --sample-len 4096 --out "$DEST/train_step_anatomy_h200_kimi_1x4096_$DAY.json"
+    timed kimi-8x4096-recompute-peak timeout 240 python3 benchmarks/train_step_anatomy.py --shape kimi --rows 8 \
+      --token-budget 4096 --sample-len 4096 --recompute-steps --steps 3 --warmup 1 --no-ablations --no-ceiling \
+      --no-profile --out "$DEST/train_step_anatomy_h200_kimi_8x4096_recompute_$DAY.json"
     ;;
   memory)  # 8 x 4,096 Kimi rows are 15 GB of random shards to write first: about 4 minutes
     timed kimi-8x4096-recompute timeout 500 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 8 \
@@ -62,6 +75,6 @@ case $part in
     timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
     ;;
-  *) echo "PART is kimi, memory, compile, smollm2, smollm2-goal or ddp, not $part" >&2; exit 2 ;;
+  *) echo "PART is kimi, profile, anatomy, memory, compile, smollm2, smollm2-goal or ddp, not $part" >&2; exit 2 ;;
 esac
 done

@@ -155,13 +155,16 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
             }
             # Every position counts at every step but the last few of the row: the most a step can hold.
             positions = [torch.arange(tokens - 2 - j) for j in range(ttt_length)]
+            last_hidden = torch.empty(rows, row_tokens, config.target_hidden_size, dtype=torch.bfloat16)
             for step in range(steps):
                 if step == steps - 1:  # the operators of the last step alone
                     counter.operators.clear()
+                if step:
+                    batch["aux_hidden"], last_hidden = upcoming
+                    del upcoming
                 counter.phase = "target head"
                 target_logits = torch.empty(tokens, config.draft_vocab_size, dtype=target_head.dtype)
                 # The step's last hidden states: read by the target's head, then dropped (as _train does).
-                last_hidden = torch.empty(rows, row_tokens, config.target_hidden_size, dtype=torch.bfloat16)
                 for chunk in last_hidden.flatten(0, 1).split(max(1, (1 << 26) // config.vocab_size)):
                     full = chunk @ target_head.T  # one chunk's full-vocabulary logits, as TargetHead makes them
                     del full
@@ -174,6 +177,12 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
                     loss, results = objective(batch, target_logits, positions, step_weights)
                 counter.phase = "backward"
                 loss.backward()
+                # The next step's rows, copied to the device once the backward pass is queued
+                # (train.DeviceBatches.prefetch): alive beside this step's clipping and optimizer.
+                # This step's rows stay alive until the next step takes the place of its batch.
+                counter.phase = "next batch"
+                upcoming = (torch.empty_like(batch["aux_hidden"]),
+                            torch.empty(rows, row_tokens, config.target_hidden_size, dtype=torch.bfloat16))
                 torch.nn.utils.clip_grad_norm_(trainable, 1.0)
                 counter.phase = "optimizer"
                 optimizer.step()

@@ -269,7 +269,7 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     if device.type == "cuda":
         result["eaglenest"]["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     result["ablations"] = {}
-    for label, ablation in ABLATIONS.items():
+    for label, ablation in ({} if args.no_ablations else ABLATIONS).items():
         if ablation == "head":
             reuse = _reused_target_head(head)
             run = timed(lambda mark: step(mark, reuse))
@@ -283,6 +283,8 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     del objective, optimizer, model, head, trainable
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if args.no_ceiling:
+        return result
     ceiling, _, _ = train_throughput.ceiling_step(name, args, device)
     result["ceiling"] = timed(ceiling)
     if not args.no_profile:
@@ -294,17 +296,19 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
 
 def print_result(result: dict) -> None:
     ms = 1e3
-    ours, ceiling = result["eaglenest"], result["ceiling"]
+    ours, ceiling = result["eaglenest"], result.get("ceiling", {"phase_seconds": {}})
+    peak = f", peak {ours['peak_memory_gib']:.2f} GiB" if "peak_memory_gib" in ours else ""
     print(f"{result['shape']}: {result['tokens_per_step']} tokens a step; eaglenest {ours['wall_seconds_per_step'] * ms:.1f} ms "
-          f"({ours['tokens_per_s']:.0f} tok/s), ceiling {ceiling['wall_seconds_per_step'] * ms:.1f} ms "
-          f"({ceiling['tokens_per_s']:.0f} tok/s): {result['eaglenest_over_ceiling']:.3f} of the ceiling")
+          f"({ours['tokens_per_s']:.0f} tok/s{peak})" + ("" if "eaglenest_over_ceiling" not in result else
+          f", ceiling {ceiling['wall_seconds_per_step'] * ms:.1f} ms ({ceiling['tokens_per_s']:.0f} tok/s): "
+          f"{result['eaglenest_over_ceiling']:.3f} of the ceiling"))
     print(f"  {'phase':<14} {'eaglenest ms':>12} {'ceiling ms':>10}")
     for phase in dict.fromkeys([*ours["phase_seconds"], *ceiling["phase_seconds"]]):
         print(f"  {phase:<14} {ours['phase_seconds'].get(phase, 0) * ms:12.2f} {ceiling['phase_seconds'].get(phase, 0) * ms:10.2f}")
     print(f"  {'ablation':<84} {'ms':>8} {'saves ms':>8}")
     for label, run in result["ablations"].items():
         print(f"  {label:<84} {run['wall_seconds_per_step'] * ms:8.1f} {run['saves_seconds_per_step'] * ms:8.1f}")
-    if "kernels" in ours:
+    if "kernels" in ours and "kernels" in ceiling:
         kinds = dict.fromkeys([*ours["kernels"]["seconds_per_step_by_kind"], *ceiling["kernels"]["seconds_per_step_by_kind"]])
         print(f"  {'kernels by kind':<20} {'eaglenest ms':>12} {'ceiling ms':>10}   (busy: "
               f"{ours['kernels']['busy_fraction']:.1%} / {ceiling['kernels']['busy_fraction']:.1%} of the step)")
@@ -325,6 +329,8 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-ablations", action="store_true")
+    parser.add_argument("--no-ceiling", action="store_true", help="eaglenest's step alone (its peak memory: --rows 8)")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     parser.add_argument("--compile", action="store_true", help="train.compile")
     parser.add_argument("--recompute-steps", action="store_true", help="train.recompute_steps")

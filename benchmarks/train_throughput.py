@@ -18,7 +18,8 @@ cross-entropy over every position, no target head, fused AdamW. It does the same
 with the least a PyTorch step can do besides them; the table prints the ratio.
 
 ``--check`` (GPU) first compares the FlexAttention and dense TTT paths on one random batch in
-float32: logits of every step and every weight's gradient.
+float32: logits of every step and every weight's gradient; and the merge of the diagonal keys
+as the GPU runs it (compiled, fused) against autograd through its plain ops.
 
     python benchmarks/train_throughput.py --shape smollm2 --shape kimi --ceiling --out benchmarks/results/x.json
 """
@@ -364,22 +365,34 @@ def check_backends(device: torch.device) -> dict:
     batch = {k: v.to(device) for k, v in batch.items()}
     weights = torch.randn(7, length, config.draft_vocab_size, generator=generator).to(device) * 1e-2
     runs = {}
-    for backend in ("dense", "flex"):
+    merge = drafter.merge_diagonal_keys
+    for backend, reference_merge in (("dense", False), ("flex", False), ("dense", True)):
         torch.manual_seed(0)
         model = drafter.Eagle3Drafter(config).to(device)
         objective = train_lib.TTTObjective(model, 7, attention_backend=backend)
-        logits = [model.compute_logits(normed)[0] for _, normed in objective.unroll(batch)]
-        sum((w * out).sum() for w, out in zip(weights, logits)).backward()
-        runs[backend] = ([out.detach() for out in logits],
-                         {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    (dense_logits, dense_grads), (flex_logits, flex_grads) = runs["dense"], runs["flex"]
+        # The merge of the diagonal keys as the GPU runs it (compiled, fused) or by autograd
+        # through its plain ops, the tests' reference.
+        drafter.merge_diagonal_keys = drafter.merge_diagonal_keys_autograd if reference_merge else merge
+        try:
+            logits = [model.compute_logits(normed)[0] for _, normed in objective.unroll(batch)]
+            sum((w * out).sum() for w, out in zip(weights, logits)).backward()
+        finally:
+            drafter.merge_diagonal_keys = merge
+        runs[backend, reference_merge] = ([out.detach() for out in logits],
+                                          {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
     def rel(a, b):
         return float((a - b).norm() / b.norm())
 
-    result = {"logits_rel_err": [rel(f, d) for f, d in zip(flex_logits, dense_logits)],
-              "grad_rel_err": {n: rel(flex_grads[n], dense_grads[n]) for n in dense_grads}}
-    result["max_rel_err"] = max(result["logits_rel_err"] + list(result["grad_rel_err"].values()))
+    def compare(got, expected):
+        (got_logits, got_grads), (expected_logits, expected_grads) = runs[got], runs[expected]
+        return {"logits_rel_err": [rel(g, e) for g, e in zip(got_logits, expected_logits)],
+                "grad_rel_err": {n: rel(got_grads[n], expected_grads[n]) for n in expected_grads}}
+
+    result = compare(("flex", False), ("dense", False))
+    result["merge"] = compare(("dense", False), ("dense", True))
+    result["max_rel_err"] = max(result["logits_rel_err"] + list(result["grad_rel_err"].values())
+                                + result["merge"]["logits_rel_err"] + list(result["merge"]["grad_rel_err"].values()))
     return result
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -147,7 +149,7 @@ def test_train_memory_counts_the_optimizer_exactly_and_recompute_lowers_the_peak
     (run,) = json.loads(out.read_text())["runs"]
     assert run["shape"] == "smollm2" and run["live_at_peak"][0]["gib"] >= run["live_at_peak"][-1]["gib"]
     # The operator count: each phase's, and the drafter's modules in the forward pass.
-    assert set(run["operators_per_step"]) == {"target head", "forward", "backward", "optimizer"}
+    assert set(run["operators_per_step"]) == {"target head", "forward", "backward", "next batch", "optimizer"}
     assert run["operators_per_step"]["optimizer"] <= 4  # fused AdamW, not a loop over parameters
     assert sum(run["forward_operators_by_module"].values()) == run["operators_per_step"]["forward"]
     assert run["forward_operators_by_module"]["midlayer.self_attn"] > 0
@@ -165,3 +167,31 @@ def test_compile_time_benchmark_compiles_every_ttt_step_with_no_graph_break(tmp_
     assert run["graphs"] == 3 and run["graph_breaks"] == 0, run
     assert 0 < run["forward_seconds"] <= run["first_step_seconds"]
     assert Path(run["eaglenest"]) == REPO
+
+
+def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cpu(tmp_path):
+    """benchmarks/train_step_anatomy.py, small, on the CPU: eaglenest's step phase by phase (the
+    marks of train.train_step), each ablation against the whole step, the ceiling step, and a
+    profile of both by kind."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import train_step_anatomy
+
+    out = tmp_path / "anatomy.json"
+    train_step_anatomy.main(["--shape", "smollm2", "--device", "cpu", "--rows", "2", "--token-budget", "64",
+                             "--sample-len", "32", "--ttt-length", "3", "--steps", "2", "--warmup", "1",
+                             "--profile-steps", "1", "--threads", "2", "--out", str(out)])
+    (run,) = json.loads(out.read_text())["runs"]
+    ours = run["eaglenest"]
+    assert list(ours["phase_seconds"]) == ["to device", "target head", "forward", "backward", "clip", "optimizer"]
+    assert all(seconds > 0 for seconds in ours["phase_seconds"].values())
+    assert sum(ours["phase_seconds"].values()) <= ours["wall_seconds_per_step"] * 1.05
+    assert list(run["ceiling"]["phase_seconds"]) == ["forward", "backward", "optimizer"]
+    assert set(run["ablations"]) == set(train_step_anatomy.ABLATIONS)
+    for ablation in run["ablations"].values():
+        assert ablation["wall_seconds_per_step"] > 0
+    assert run["eaglenest_over_ceiling"] == pytest.approx(
+        run["ceiling"]["wall_seconds_per_step"] / ours["wall_seconds_per_step"])
+    assert ours["kernels"]["busy_seconds_per_step"] > 0 and ours["kernels"]["top"]
+    # The ablations patch only while they run.
+    from eaglenest.model import drafter
+    assert drafter.merge_diagonal_keys.__name__ == "merge_diagonal_keys"

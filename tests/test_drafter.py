@@ -292,14 +292,35 @@ def test_rms_norm_under_autocast_gives_the_cast_its_consumers_made():
     torch.testing.assert_close(grads[1], expected[1], rtol=1e-5, atol=1e-5)
 
 
+MERGES = {
+    # The CPU's: all heads at once, a chunk of positions at a time, small matrix products.
+    "chunked": lambda: drafter.merge_diagonal_keys,
+    # The GPU's (compiled there) and train.compile's: whole tensors, elementwise ops and sums.
+    "fused": lambda: drafter._fused_merge,
+}
+
+
+@pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("chunk_positions", [11, 4])  # one chunk; three, the last short
 @pytest.mark.parametrize("steps", [1, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, chunk_positions, monkeypatch):
-    """drafter.merge_diagonal_keys forms its own gradient, all heads at once and a chunk of
-    positions at a time, its per-position sums as small matrix products; judged against
-    autograd through the plain ops (merge_diagonal_keys_autograd): output and every input's
-    gradient within float32 rounding (in bf16: a bf16 step at most, for few values)."""
+def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, chunk_positions, merge, monkeypatch):
+    """drafter.merge_diagonal_keys forms its own gradient: on a CPU all heads at once and a
+    chunk of positions at a time, its per-position sums as small matrix products; on a GPU by
+    the fused merge, compiled. Each is judged against autograd through the plain ops
+    (merge_diagonal_keys_autograd): output and every input's gradient within float32 rounding
+    (in bf16: a bf16 step at most, for few values)."""
+    check_merge_against_autograd(MERGES[merge](), dtype, steps, chunk_positions, monkeypatch)
+
+
+def test_fused_merge_compiled_equals_autograd_through_its_ops(monkeypatch):
+    """The fused merge as torch.compile builds it (inductor, here on the CPU; on a GPU it always
+    runs so): the same output and gradients as the reference."""
+    torch._dynamo.reset()
+    check_merge_against_autograd(torch.compile(drafter._fused_merge, dynamic=False), torch.float32, 3, 11, monkeypatch)
+
+
+def check_merge_against_autograd(merge, dtype, steps, chunk_positions, monkeypatch):
     batch, kv_heads, group, length, dim = 2, 2, 3, 11, 16
     monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", batch * kv_heads * group * dim * chunk_positions)
     torch.manual_seed(1)
@@ -319,7 +340,7 @@ def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, ch
         out = merge(leaves["context_out"], leaves["context_lse"], leaves["q"], keys, values, group)
         return out, torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
 
-    out, grads = run(drafter.merge_diagonal_keys)
+    out, grads = run(merge)
     reference, reference_grads = run(drafter.merge_diagonal_keys_autograd)
     assert out.dtype == dtype
     for name, got, expected in [("out", out, reference), *zip(leaves, grads, reference_grads)]:

@@ -560,3 +560,21 @@ def test_head_soft_cross_entropy_keeps_no_logits_and_skips_the_gradient_without_
     (grad_input,) = torch.autograd.grad(total, (normed,))
     (plain_grad,) = torch.autograd.grad(plain_step_loss(normed, weight, target)[0], (normed,))
     torch.testing.assert_close(grad_input, plain_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_device_batches_yield_every_step_once_in_order_whether_or_not_the_step_prefetched():
+    """train.DeviceBatches: a step that prefetches (as train_step does once its backward pass is
+    queued) takes the next batch early; a step that does not leaves it to the next iteration.
+    Either way every (step, epoch, batch) comes once, in order, with its tokens; a rank's empty
+    step (None) passes through; a prefetch past the end ends the iteration."""
+    host = [(step, 0, None if step == 2 else {"tokens": torch.tensor(10 + step), "aux_hidden": torch.full((1, 2, 3), step),
+                                              "last_hidden": torch.full((1, 2, 1), step)})
+            for step in range(5)]
+    batches = train.DeviceBatches(iter(host), torch.device("cpu"), torch.float32)
+    seen = []
+    for n, (step, epoch, batch, tokens) in enumerate(batches):
+        seen.append((step, None if batch is None else int(batch["aux_hidden"][0, 0, 0]), tokens))
+        if n % 2 == 0:  # steps 0, 2 and 4 prefetch; 4's finds the end
+            batches.prefetch()
+            batches.prefetch()  # a second call takes nothing more
+    assert seen == [(0, 0, 10.0), (1, 1, 11.0), (2, None, 0.0), (3, 3, 13.0), (4, 4, 14.0)]

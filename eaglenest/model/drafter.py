@@ -522,11 +522,109 @@ class _MergeDiagonalKeys(torch.autograd.Function):
         return (grad_context, grad_lse, grad_q, None, *grad_k, *grad_v)
 
 
+def _position_major(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, heads, t, ...] -> float32 [B, t, kv heads, group, ...] (a view where the projections
+    made x, whose memory is position-major)."""
+    return x.transpose(1, 2).float().unflatten(2, (-1, group))
+
+
+def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`_position_major`: [B, t, kv heads, group, ...] -> [B, heads, t, ...] in ``dtype``."""
+    return x.flatten(2, 3).to(dtype).transpose(1, 2)
+
+
+def _fused_shares(queries, context_lse, keys, scale: float):
+    """:func:`_merge_shares` as elementwise ops and sums over the head dimension, one diagonal
+    key at a time: queries [B, t, KV, G, d], context_lse [B, t, KV, G], keys j x [B, t, KV, d],
+    all float32 -> (context share [B, t, KV, G], diagonal shares [B, t, KV, G, j])."""
+    diagonal = torch.stack([(queries * key.unsqueeze(3)).sum(-1) for key in keys], dim=-1) * scale
+    shift = torch.maximum(context_lse, diagonal.amax(-1))
+    context_weight = torch.exp(context_lse - shift)
+    diagonal_weight = torch.exp(diagonal - shift.unsqueeze(-1))
+    total = context_weight + diagonal_weight.sum(-1)
+    return context_weight / total, diagonal_weight / total.unsqueeze(-1)
+
+
+class _FusedMergeDiagonalKeys(torch.autograd.Function):
+    """_MergeDiagonalKeys' output and gradient, written for torch.compile: whole tensors,
+    elementwise ops and sums only (no matrix products, which the compiler leaves as separate
+    kernels reading float32 copies), so inductor fuses each pass into a few kernels that read
+    the bf16 inputs once and keep no float32 temporaries. On a GPU it runs compiled
+    (:func:`merge_diagonal_keys`): eagerly, each op would be a kernel of its own. The same
+    inputs are kept for the backward pass."""
+
+    @staticmethod
+    def forward(ctx, context_out, context_lse, q, group, *draft):
+        steps = len(draft) // 2
+        ctx.group = group
+        ctx.save_for_backward(context_out, context_lse, q, *draft)
+        # float32 inside, under autocast too (as _MergeDiagonalKeys).
+        with torch.autocast(q.device.type, enabled=False):
+            keys = [_position_major(k, 1).flatten(2, 3) for k in draft[:steps]]
+            values = [_position_major(v, 1).flatten(2, 3) for v in draft[steps:]]
+            context_share, shares = _fused_shares(_position_major(q, group), _position_major(context_lse, group), keys,
+                                                  q.shape[-1] ** -0.5)
+            out = _position_major(context_out, group) * context_share.unsqueeze(-1)
+            for i, value in enumerate(values):
+                out = out + shares[..., i, None] * value.unsqueeze(3)
+            return _head_major(out, q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        context_out, context_lse, q, *draft = ctx.saved_tensors
+        steps, group = len(draft) // 2, ctx.group
+        scale = q.shape[-1] ** -0.5
+        with torch.autocast(q.device.type, enabled=False):
+            queries = _position_major(q, group)
+            keys = [_position_major(k, 1).flatten(2, 3) for k in draft[:steps]]
+            values = [_position_major(v, 1).flatten(2, 3) for v in draft[steps:]]
+            context_share, shares = _fused_shares(queries, _position_major(context_lse, group), keys, scale)
+            g = _position_major(grad_out, group)
+            g_context = (g * _position_major(context_out, group)).sum(-1)  # [B, t, KV, G]
+            g_values = torch.stack([(g * value.unsqueeze(3)).sum(-1) for value in values], dim=-1)  # [B, t, KV, G, j]
+            g_out = context_share * g_context + (shares * g_values).sum(-1)
+            grad_score = shares * (g_values - g_out.unsqueeze(-1)) * scale
+            grad_q = sum(grad_score[..., i, None] * key.unsqueeze(3) for i, key in enumerate(keys))
+            # Each key and value serves the G query heads of its group: their sums.
+            grad_k = [_head_major((grad_score[..., i, None] * queries).sum(3, keepdim=True), k.dtype)
+                      for i, k in enumerate(draft[:steps])]
+            grad_v = [_head_major((shares[..., i, None] * g).sum(3, keepdim=True), v.dtype)
+                      for i, v in enumerate(draft[steps:])]
+            return (_head_major(g * context_share.unsqueeze(-1), context_out.dtype),
+                    _head_major(context_share * (g_context - g_out), context_lse.dtype),
+                    _head_major(grad_q, q.dtype), None, *grad_k, *grad_v)
+
+
+def _fused_merge(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
+    return _FusedMergeDiagonalKeys.apply(context_out, context_lse, q, group, *draft_k, *draft_v)
+
+
+_compiled_merge = None
+
+
+def _merge_kernel(q: torch.Tensor):
+    """How the merge runs when it needs its gradient: the fused merge as is while torch.compile
+    traces the layer (train.compile), compiled on its own on a GPU (one graph per number of
+    diagonal keys, forward and backward), and as :class:`_MergeDiagonalKeys` elsewhere (None),
+    whose chunked matrix products suit an eager CPU."""
+    global _compiled_merge
+    if torch.compiler.is_compiling():
+        return _fused_merge
+    if q.is_cuda:
+        if _compiled_merge is None:
+            _compiled_merge = torch.compile(_fused_merge, dynamic=False)
+        return _compiled_merge
+    return None
+
+
 def merge_diagonal_keys(context_out, context_lse, q, draft_k, draft_v, group: int) -> torch.Tensor:
     """Softmax attention over [context keys ; one diagonal key per draft step], exactly
     (:func:`merge_diagonal_keys_autograd`), keeping for the backward pass only what the context
     attention and the cache keep already."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (context_out, context_lse, q, *draft_k, *draft_v)):
+        kernel = _merge_kernel(q)
+        if kernel is not None:
+            return kernel(context_out, context_lse, q, list(draft_k), list(draft_v), group)
         return _MergeDiagonalKeys.apply(context_out, context_lse, q, group, *draft_k, *draft_v)
     return merge_diagonal_keys_autograd(context_out, context_lse, q, draft_k, draft_v, group)
 
