@@ -612,6 +612,10 @@ def _merge_kernel(q: torch.Tensor):
         return _fused_merge
     if q.is_cuda:
         if _compiled_merge is None:
+            # A graph per number of diagonal keys (1 to ttt_length - 1), per dtype and per
+            # gradient need: more than dynamo's default of 8 graphs a function, past which it
+            # would run the merge eagerly, an op a kernel.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             _compiled_merge = torch.compile(_fused_merge, dynamic=False)
         return _compiled_merge
     return None
