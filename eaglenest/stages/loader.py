@@ -140,12 +140,15 @@ class RowReader:
         handle = self._handle(ref.shard)
         return handle.rows(ROW_TENSORS, ref.start, ref.stop)
 
-    def batch(self, rows: list[list[int]], pad_to: int | None = None, pad_rows: int | None = None) -> dict[str, torch.Tensor]:
+    def batch(self, rows: list[list[int]], pad_to: int | None = None, pad_rows: int | None = None,
+              pin_memory: bool = False) -> dict[str, torch.Tensor]:
         """Packed rows -> padded tensors [B, T(, width)]; segment_ids -1 and loss_mask 0 on padding.
 
         ``pad_to`` fixes T and ``pad_rows`` fixes B (empty rows appended), so that every step has
         one shape: a compiled step (FlexAttention on CUDA) would otherwise compile again for the
-        short last step of each epoch and of validation.
+        short last step of each epoch and of validation. ``pin_memory``: the tensors are made in
+        page-locked memory (for a GPU's asynchronous copy), not copied there afterwards: one
+        pass over the rows fewer (235 MB a 4,096-token Kimi-shaped row).
         """
         length = pad_to or max(sum(self.dataset.samples[i].length for i in row) for row in rows)
         if pad_rows is not None and len(rows) > pad_rows:
@@ -154,17 +157,18 @@ class RowReader:
         width = len(self.dataset.layer_ids) * self.dataset.hidden_size
         first = self.read(self.dataset.samples[rows[0][0]])
         hidden_dtype = first["aux_hidden"].dtype
+        pinned = {"pin_memory": True} if pin_memory else {}
         out = {
-            "input_ids": torch.zeros(len(rows), length, dtype=torch.int64),
-            "loss_mask": torch.zeros(len(rows), length, dtype=torch.bool),
-            "segment_ids": torch.full((len(rows), length), -1, dtype=torch.int64),
-            "position_ids": torch.zeros(len(rows), length, dtype=torch.int64),
-            "aux_hidden": torch.zeros(len(rows), length, width, dtype=hidden_dtype),
-            "last_hidden": torch.zeros(len(rows), length, self.dataset.hidden_size, dtype=hidden_dtype),
+            "input_ids": torch.zeros(len(rows), length, dtype=torch.int64, **pinned),
+            "loss_mask": torch.zeros(len(rows), length, dtype=torch.bool, **pinned),
+            "segment_ids": torch.full((len(rows), length), -1, dtype=torch.int64, **pinned),
+            "position_ids": torch.zeros(len(rows), length, dtype=torch.int64, **pinned),
+            "aux_hidden": torch.zeros(len(rows), length, width, dtype=hidden_dtype, **pinned),
+            "last_hidden": torch.zeros(len(rows), length, self.dataset.hidden_size, dtype=hidden_dtype, **pinned),
         }
         scale_names = [name for name in shards.SCALE_TENSORS.values() if name in first]
         for name in scale_names:  # padding decodes to 0 with any scale; 1 as quantize_rows uses
-            out[name] = torch.ones(len(rows), length, first[name].shape[-1], dtype=first[name].dtype)
+            out[name] = torch.ones(len(rows), length, first[name].shape[-1], dtype=first[name].dtype, **pinned)
         for b, row in enumerate(rows):
             at = 0
             for segment, sample in enumerate(row):
@@ -181,6 +185,8 @@ class RowReader:
                     out[name][b, at:end] = parts[name]
                 at = end
         out["tokens"] = torch.tensor(int((out["segment_ids"] >= 0).sum()))
+        if pin_memory:
+            out["tokens"] = out["tokens"].pin_memory()
         return out
 
 
@@ -232,9 +238,7 @@ class StepStream:
             for step in range(self.start_step, len(self.schedule)):
                 epoch, rows = self.schedule[step]
                 mine = rows[self.rank :: self.world_size]
-                batch = reader.batch(mine, self.pad_to, self.pad_rows) if mine else None
-                if batch is not None and self.pin_memory:
-                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                batch = reader.batch(mine, self.pad_to, self.pad_rows, self.pin_memory) if mine else None
                 while not self._stop.is_set():
                     try:
                         self._queue.put((step, epoch, batch), timeout=0.1)
