@@ -10,7 +10,9 @@ fused AdamW. Every figure is a mean over ``--steps`` steps after ``--warmup``:
 
 - phases: the time between the marks ``train_step`` sets as it queues each phase (to device,
   target head, forward, backward, clip, optimizer), read from CUDA events on the GPU (the
-  device's time, including any time it waited for the host) and from the clock on a CPU;
+  device's time, including any time it waited for the host) and from the clock on a CPU. The
+  batches come as in the training loop (train.DeviceBatches: the next one copied beside a
+  step's clipping and optimizer), so "to device" is the time the step waited for its copy;
 - ablations: the whole step again with one part taken out (each row says which; the
   difference to the whole step is what that part costs). These steps compute something else:
   they are timings, never trained drafters;
@@ -251,11 +253,20 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     decay = [0.8**j for j in range(args.ttt_length)]
     tokens = args.rows * args.token_budget
 
+    def endless():
+        step = 0
+        while True:
+            yield step, 0, {**host_batch, "tokens": torch.tensor(tokens)}
+            step += 1
+
+    # As the training loop: the next batch's copy starts once a step's backward pass is queued.
+    batches = train.DeviceBatches(endless(), device, hidden_dtype)
+
     def step(mark, target_head=head):
         mark("to device")
-        batch = train.to_device(dict(host_batch), device, hidden_dtype)
-        train.train_step(objective, target_head, batch, float(tokens), decay, trainable, optimizer,
-                         settings["max_grad_norm"], autocast, mark)
+        _, _, batch, local_tokens = next(batches)
+        train.train_step(objective, target_head, batch, local_tokens, decay, trainable, optimizer,
+                         settings["max_grad_norm"], autocast, mark, after_backward=batches.prefetch)
 
     def timed(work) -> dict:
         for _ in range(args.warmup):
