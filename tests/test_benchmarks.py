@@ -192,6 +192,8 @@ def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cp
     assert run["eaglenest_over_ceiling"] == pytest.approx(
         run["ceiling"]["wall_seconds_per_step"] / ours["wall_seconds_per_step"])
     assert ours["kernels"]["busy_seconds_per_step"] > 0 and ours["kernels"]["top"]
+    # With --compile, the parts inside the compiled layer are not taken out (each would recompile it).
+    assert len(train_step_anatomy.INSIDE_THE_LAYER) == 2 < len(train_step_anatomy.ABLATIONS)
     # The ablations patch only while they run.
     from eaglenest.model import drafter
     assert drafter.merge_diagonal_keys.__name__ == "merge_diagonal_keys"
