@@ -135,15 +135,28 @@ def _patched(owner, attribute: str, value):
 
 
 def _reused_target_head(head):
-    """The target head run once: later steps reuse its soft labels (no full-vocabulary product)."""
+    """The target head run once: later steps reuse its soft labels (no product at all)."""
     kept = {}
 
-    def reuse(last_hidden):
+    def reuse(last_hidden, in_draft=None):
         if "out" not in kept:
-            kept["out"] = head(last_hidden)
+            kept["out"] = head(last_hidden, in_draft)
         return kept["out"]
 
     return reuse
+
+
+def _later_epoch_target_head(head):
+    """The target head as a later epoch runs it: the in-draft test known (train.InDraftCache),
+    only the draft block's product."""
+    kept = {}
+
+    def later(last_hidden, in_draft=None):
+        if "in_draft" not in kept:
+            kept["in_draft"] = head(last_hidden)[1]
+        return head(last_hidden, kept["in_draft"])
+
+    return later
 
 
 def _sdpa_context(cache, q, group):
@@ -154,7 +167,8 @@ def _sdpa_context(cache, q, group):
 
 
 ABLATIONS = {
-    "without the target head (its soft labels reused)": "head",
+    "without the target head (its soft labels reused)": _reused_target_head,
+    "the target head of a later epoch (the in-draft test known: its draft block only)": _later_epoch_target_head,
     "without the merge of the diagonal keys (context attention's output as is)":
         lambda: _patched(drafter, "merge_diagonal_keys", lambda out, lse, q, k, v, group: out),
     "context attention by SDPA's causal kernel instead of FlexAttention (no log-sum-exp)":
@@ -287,9 +301,9 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     for label, ablation in ({} if args.no_ablations else ABLATIONS).items():
         if args.compile and label in INSIDE_THE_LAYER:  # a patch there would recompile the layer's graphs
             continue
-        if ablation == "head":
-            reuse = _reused_target_head(head)
-            run = timed(lambda mark: step(mark, reuse))
+        if ablation in (_reused_target_head, _later_epoch_target_head):
+            other_head = ablation(head)
+            run = timed(lambda mark: step(mark, other_head))
         else:
             with ablation():
                 run = timed(step)

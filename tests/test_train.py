@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from eaglenest.stages import consolidate, draft_loss, loader, train
 from eaglenest.formats import shards
+from eaglenest.model import drafter
 
 LAYER_IDS = [1, 3, 4]
 EXPECT = {"target": "tiny-llama", "layer_ids": LAYER_IDS, "dtype": "bfloat16"}
@@ -298,9 +299,63 @@ def test_target_head_never_builds_full_vocab_logits_for_more_than_a_chunk(tiny_r
     assert head.chunk_rows == 4
     hidden = torch.randn(10, 64)
     logits, in_draft = head(hidden)
-    full = hidden @ head.full.T
+    full = hidden @ drafter.load_target_rows(tiny_run["target_path"], "lm_head").T
     assert torch.equal(in_draft, draft["t2d"][full.argmax(-1)])
     torch.testing.assert_close(logits, full[:, draft["t2d"]])
+    # Given the in-draft test, the same logits come from the draft block alone.
+    given = torch.rand(10) < 0.5
+    again, passed = head(hidden, given)
+    assert passed is given and torch.equal(again, logits)
+
+
+def test_target_head_in_draft_test_breaks_ties_as_the_full_vocabulary_argmax(tmp_path):
+    """The in-draft test from the two blocks' maxima equals t2d[argmax] of the full-vocabulary
+    logits, ties included: the first maximum in target-id order wins, draft or not."""
+    from safetensors.torch import save_file
+
+    vocab_size, hidden = 12, 4
+    rows = torch.randn(vocab_size, hidden) * 0.1
+    rows[2] = rows[7] = torch.tensor([5.0, 0, 0, 0])  # 2 (not draft) and 7 (draft) tie; so do 9 (draft) and 10 (not)
+    rows[9] = rows[10] = torch.tensor([0, 5.0, 0, 0])
+    save_file({"lm_head.weight": rows}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "vocab_size": vocab_size}))
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[[0, 3, 7, 9]] = True
+    head = train.TargetHead(tmp_path, t2d, "cpu", torch.float32)
+    x = torch.cat([torch.randn(200, hidden), rows[[2, 9, 7, 10]]])  # the last four: the tied rows win
+    full = x @ rows.T
+    _, in_draft = head(x)
+    assert torch.equal(in_draft, t2d[full.argmax(-1)])
+    assert in_draft[-4:].tolist() == [False, True, False, True]
+
+
+def test_in_draft_cache_answers_once_every_sample_of_a_batch_was_seen():
+    """train.InDraftCache: no answer while a sample of the batch is new; after a batch stored its
+    test, a batch of the same samples (packed otherwise) reads the same bits, False on padding."""
+    from types import SimpleNamespace
+
+    dataset = SimpleNamespace(samples=[SimpleNamespace(length=n) for n in (3, 2, 4)])
+    cache = train.InDraftCache(dataset, torch.device("cpu"))
+
+    def batch(rows):  # rows of sample indices, packed into rows of 6 tokens
+        index = torch.full((len(rows), 6), -1)
+        position = torch.zeros(len(rows), 6, dtype=torch.int64)
+        for b, row in enumerate(rows):
+            at = 0
+            for sample in row:
+                n = dataset.samples[sample].length
+                index[b, at:at + n], position[b, at:at + n] = sample, torch.arange(n)
+                at += n
+        return {"sample_index": index, "position_ids": position, "samples": tuple(s for row in rows for s in row)}
+
+    first = batch([[0, 1], [2]])
+    assert cache.lookup(first) is None
+    bits = torch.tensor([[1, 0, 1, 1, 0, 1], [0, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    cache.store(first, bits)
+    again = cache.lookup(batch([[1, 0], [2]]))
+    # sample 1's two tokens, then sample 0's three; sample 2's four; padding False
+    assert again.tolist() == [[True, False, True, False, True, False], [False, True, True, False, False, False]]
+    assert cache.lookup({**batch([[0]]), "samples": (0, 5)}) is None  # a sample not seen yet
 
 
 # ---- training, checkpoints, resume -------------------------------------------------------------------------
@@ -578,3 +633,26 @@ def test_device_batches_yield_every_step_once_in_order_whether_or_not_the_step_p
             batches.prefetch()
             batches.prefetch()  # a second call takes nothing more
     assert seen == [(0, 0, 10.0), (1, 1, 11.0), (2, None, 0.0), (3, 3, 13.0), (4, 4, 14.0)]
+
+
+def test_later_epochs_reading_the_in_draft_cache_train_the_same_weights_as_computing_it(tiny_run, tmp_path, monkeypatch):
+    """Three epochs: from the second on every batch's in-draft test comes from train.InDraftCache
+    (the target head runs its draft block only). The weights and the curve equal, bit for bit,
+    a run that computes the test at every step."""
+    used = []
+    lookup = train.InDraftCache.lookup
+
+    def counted(self, batch):
+        known = lookup(self, batch)
+        used.append(known is not None)
+        return known
+
+    monkeypatch.setattr(train.InDraftCache, "lookup", counted)
+    cached = train.train(**arguments(tiny_run, tmp_path / "cached"))
+    assert any(used) and not all(used)  # the first epoch computes, later epochs read
+    monkeypatch.setattr(train.InDraftCache, "lookup", lambda self, batch: None)
+    computed = train.train(**arguments(tiny_run, tmp_path / "computed"))
+    first = load_file(str(tmp_path / "cached" / "drafter" / "model.safetensors"))
+    second = load_file(str(tmp_path / "computed" / "drafter" / "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert cached["final_val_acc"] == computed["final_val_acc"]

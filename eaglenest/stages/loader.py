@@ -162,6 +162,8 @@ class RowReader:
             "input_ids": torch.zeros(len(rows), length, dtype=torch.int64, **pinned),
             "loss_mask": torch.zeros(len(rows), length, dtype=torch.bool, **pinned),
             "segment_ids": torch.full((len(rows), length), -1, dtype=torch.int64, **pinned),
+            # Which sample of the split each token is (its index in dataset.samples), -1 on padding.
+            "sample_index": torch.full((len(rows), length), -1, dtype=torch.int64, **pinned),
             "position_ids": torch.zeros(len(rows), length, dtype=torch.int64, **pinned),
             "aux_hidden": torch.zeros(len(rows), length, width, dtype=hidden_dtype, **pinned),
             "last_hidden": torch.zeros(len(rows), length, self.dataset.hidden_size, dtype=hidden_dtype, **pinned),
@@ -178,6 +180,7 @@ class RowReader:
                 out["input_ids"][b, at:end] = parts["input_ids"].to(torch.int64)
                 out["loss_mask"][b, at:end] = parts["loss_mask"].bool()
                 out["segment_ids"][b, at:end] = segment
+                out["sample_index"][b, at:end] = sample
                 out["position_ids"][b, at:end] = torch.arange(ref.length)
                 out["aux_hidden"][b, at:end] = parts["aux_hidden"]
                 out["last_hidden"][b, at:end] = parts["last_hidden"]
@@ -185,6 +188,7 @@ class RowReader:
                     out[name][b, at:end] = parts[name]
                 at = end
         out["tokens"] = torch.tensor(int((out["segment_ids"] >= 0).sum()))
+        out["samples"] = tuple(sample for row in rows for sample in row)  # the same, on the host
         if pin_memory:
             out["tokens"] = out["tokens"].pin_memory()
         return out
