@@ -163,12 +163,15 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
                     batch["aux_hidden"], last_hidden = upcoming
                     del upcoming
                 counter.phase = "target head"
-                target_logits = torch.empty(tokens, config.draft_vocab_size, dtype=target_head.dtype)
-                # The step's last hidden states: read by the target's head, then dropped (as _train does).
-                for chunk in last_hidden.flatten(0, 1).split(max(1, (1 << 26) // config.vocab_size)):
-                    full = chunk @ target_head.T  # one chunk's full-vocabulary logits, as TargetHead makes them
-                    del full
-                del chunk, last_hidden
+                # As TargetHead makes them: the draft rows' logits in one product, the other rows' a
+                # chunk at a time for the in-draft test. The step's last hidden states are read by
+                # the target's head, then dropped (as _train does).
+                flat = last_hidden.flatten(0, 1)
+                target_logits = flat @ target_head[: config.draft_vocab_size].T
+                for chunk in flat.split(max(1, (1 << 26) // config.vocab_size)):
+                    other = chunk @ target_head[config.draft_vocab_size:].T
+                    del other
+                del chunk, flat, last_hidden
                 counter.phase = "forward"
                 # Each step's weight in the loss, known before the forward pass, as _train passes them.
                 step_weights = torch.stack([torch.tensor(0.8 ** j / max(len(p), 1), dtype=torch.float64)

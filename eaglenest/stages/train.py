@@ -73,8 +73,9 @@ class TargetHead:
     full-vocabulary argmax (its first maximal logit in target-id order, as ``argmax`` picks
     it) is a draft token. Given the test already (``in_draft``: a later epoch's step,
     :class:`InDraftCache`), only the draft block's product runs: a fifth of the FLOPs for
-    Kimi-K2.5 (32,000 of 163,840 rows). Logits exist for one chunk at a time, in the head's
-    dtype, never in float32.
+    Kimi-K2.5 (32,000 of 163,840 rows). The draft logits are one product over all rows (the
+    [N, D] result is what the step keeps); the rest's logits exist for one chunk of
+    ``chunk_rows`` rows at a time. All in the head's dtype, never in float32.
     """
 
     def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26):
@@ -94,13 +95,11 @@ class TargetHead:
     def __call__(self, last_hidden: torch.Tensor, in_draft: torch.Tensor | None = None):
         """last_hidden [N, H] -> (draft-vocab logits [N, D] in the head's dtype, in_draft [N] bool)."""
         x = last_hidden.to(self.draft_rows.dtype)
-        logits, tests = [], []
-        for chunk in x.split(self.chunk_rows):
-            draft = chunk @ self.draft_rows.T
-            logits.append(draft)
-            if in_draft is None:
-                tests.append(self._argmax_is_draft(draft, chunk))
-        return torch.cat(logits), in_draft if in_draft is not None else torch.cat(tests)
+        logits = x @ self.draft_rows.T  # all rows at once: the [N, D] result is kept anyway
+        if in_draft is None:
+            in_draft = torch.cat([self._argmax_is_draft(draft, chunk) for draft, chunk
+                                  in zip(logits.split(self.chunk_rows), x.split(self.chunk_rows))])
+        return logits, in_draft
 
     def _argmax_is_draft(self, draft_logits: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
         if self.other_rows.shape[0] == 0:  # the draft vocabulary is the whole vocabulary
