@@ -68,14 +68,13 @@ class TargetHead:
     """The target's lm_head, for soft labels over the draft vocab and the in-draft-vocab test.
 
     The head's rows are kept in two blocks, the draft vocabulary's (in draft-id order) and the
-    rest. Per chunk of ``chunk_rows`` rows, the draft block's product gives the soft labels'
-    logits, and the rest's product, compared with it, the in-draft test: whether the
-    full-vocabulary argmax (its first maximal logit in target-id order, as ``argmax`` picks
-    it) is a draft token. Given the test already (``in_draft``: a later epoch's step,
-    :class:`InDraftCache`), only the draft block's product runs: a fifth of the FLOPs for
-    Kimi-K2.5 (32,000 of 163,840 rows). The draft logits are one product over all rows (the
-    [N, D] result is what the step keeps); the rest's logits exist for one chunk of
-    ``chunk_rows`` rows at a time. All in the head's dtype, never in float32.
+    rest. The draft block's product, one over all rows (its [N, D] result is what the step
+    keeps), gives the soft labels' logits; the rest's product, ``chunk_rows`` rows at a time and
+    compared with it, gives the in-draft test: whether the full-vocabulary argmax (its first
+    maximal logit in target-id order, as ``argmax`` picks it) is a draft token. Given the test
+    already (``in_draft``: a later epoch's step, :class:`InDraftCache`), only the draft block's
+    product runs: a fifth of the FLOPs for Kimi-K2.5 (32,000 of 163,840 rows). All in the
+    head's dtype, never in float32.
     """
 
     def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26):
