@@ -117,13 +117,6 @@ def random_batch(shape: dict, args, generator: torch.Generator) -> dict:
     return batch
 
 
-class Ablation:
-    """One part of the step taken out while the context is active (see ABLATIONS)."""
-
-    def __init__(self, name: str, enter):
-        self.name, self.enter = name, enter
-
-
 @contextmanager
 def _patched(owner, attribute: str, value):
     saved = getattr(owner, attribute)
@@ -166,6 +159,8 @@ def _sdpa_context(cache, q, group):
     return out, q.new_zeros(q.shape[:-1], dtype=torch.float32)
 
 
+# Each part taken out: a function of the target head giving the head the step runs instead, or a
+# context manager factory patching the part while the step runs.
 ABLATIONS = {
     "without the target head (its soft labels reused)": _reused_target_head,
     "the target head of a later epoch (the in-draft test known: its draft block only)": _later_epoch_target_head,
@@ -184,7 +179,6 @@ INSIDE_THE_LAYER = {label for label in ABLATIONS if "merge" in label or "FlexAtt
 
 def run_steps(step, count: int, device: torch.device) -> tuple[float, list[dict]]:
     """Wall seconds a step over ``count`` steps, and each step's phase times."""
-    phases = []
     if device.type == "cuda":
         torch.cuda.synchronize()
     began = time.perf_counter()
