@@ -440,10 +440,15 @@ def _merge_shares(q32, lse32, k32, scale: float):
     """Softmax weights of [context ; diagonal keys] at each position and query head: (context
     share [B, KV, t, G], diagonal shares [B, KV, t, G, j]). The diagonal scores are one small
     product per position, [G, d] x [d, j]."""
-    diagonal = torch.matmul(q32, k32.transpose(-1, -2)) * scale
+    return _softmax_shares(lse32, torch.matmul(q32, k32.transpose(-1, -2)) * scale)
+
+
+def _softmax_shares(context_lse, diagonal):
+    """(context share, diagonal shares) of a softmax over [context ; diagonal keys], from the
+    context part's log-sum-exp [...] and the diagonal scores [..., j]."""
     # Any common shift is exact; the max keeps exp() in range.
-    shift = torch.maximum(lse32, diagonal.amax(-1))
-    context_weight = torch.exp(lse32 - shift)
+    shift = torch.maximum(context_lse, diagonal.amax(-1))
+    context_weight = torch.exp(context_lse - shift)
     diagonal_weight = torch.exp(diagonal - shift.unsqueeze(-1))
     total = context_weight + diagonal_weight.sum(-1)
     return context_weight / total, diagonal_weight / total.unsqueeze(-1)
@@ -533,16 +538,17 @@ def _head_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.flatten(2, 3).to(dtype).transpose(1, 2)
 
 
-def _fused_shares(queries, context_lse, keys, scale: float):
-    """:func:`_merge_shares` as elementwise ops and sums over the head dimension, one diagonal
-    key at a time: queries [B, t, KV, G, d], context_lse [B, t, KV, G], keys j x [B, t, KV, d],
-    all float32 -> (context share [B, t, KV, G], diagonal shares [B, t, KV, G, j])."""
-    diagonal = torch.stack([(queries * key.unsqueeze(3)).sum(-1) for key in keys], dim=-1) * scale
-    shift = torch.maximum(context_lse, diagonal.amax(-1))
-    context_weight = torch.exp(context_lse - shift)
-    diagonal_weight = torch.exp(diagonal - shift.unsqueeze(-1))
-    total = context_weight + diagonal_weight.sum(-1)
-    return context_weight / total, diagonal_weight / total.unsqueeze(-1)
+def _fused_inputs(context_lse, q, draft, group: int):
+    """What both passes of the fused merge read, in float32: (queries [B, t, KV, G, d], the keys
+    and the values, j each, [B, t, KV, d], context share [B, t, KV, G], diagonal shares
+    [B, t, KV, G, j]). The diagonal scores are elementwise products summed over the head
+    dimension, one key at a time (:func:`_merge_shares` takes them as small matrix products)."""
+    steps = len(draft) // 2
+    queries = _position_major(q, group)
+    keys = [k.transpose(1, 2).float() for k in draft[:steps]]
+    values = [v.transpose(1, 2).float() for v in draft[steps:]]
+    diagonal = torch.stack([(queries * key.unsqueeze(3)).sum(-1) for key in keys], dim=-1) * q.shape[-1] ** -0.5
+    return (queries, keys, values, *_softmax_shares(_position_major(context_lse, group), diagonal))
 
 
 class _FusedMergeDiagonalKeys(torch.autograd.Function):
@@ -555,15 +561,11 @@ class _FusedMergeDiagonalKeys(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, context_out, context_lse, q, group, *draft):
-        steps = len(draft) // 2
         ctx.group = group
         ctx.save_for_backward(context_out, context_lse, q, *draft)
         # float32 inside, under autocast too (as _MergeDiagonalKeys).
         with torch.autocast(q.device.type, enabled=False):
-            keys = [_position_major(k, 1).flatten(2, 3) for k in draft[:steps]]
-            values = [_position_major(v, 1).flatten(2, 3) for v in draft[steps:]]
-            context_share, shares = _fused_shares(_position_major(q, group), _position_major(context_lse, group), keys,
-                                                  q.shape[-1] ** -0.5)
+            _, _, values, context_share, shares = _fused_inputs(context_lse, q, draft, group)
             out = _position_major(context_out, group) * context_share.unsqueeze(-1)
             for i, value in enumerate(values):
                 out = out + shares[..., i, None] * value.unsqueeze(3)
@@ -575,10 +577,7 @@ class _FusedMergeDiagonalKeys(torch.autograd.Function):
         steps, group = len(draft) // 2, ctx.group
         scale = q.shape[-1] ** -0.5
         with torch.autocast(q.device.type, enabled=False):
-            queries = _position_major(q, group)
-            keys = [_position_major(k, 1).flatten(2, 3) for k in draft[:steps]]
-            values = [_position_major(v, 1).flatten(2, 3) for v in draft[steps:]]
-            context_share, shares = _fused_shares(queries, _position_major(context_lse, group), keys, scale)
+            queries, keys, values, context_share, shares = _fused_inputs(context_lse, q, draft, group)
             g = _position_major(grad_out, group)
             g_context = (g * _position_major(context_out, group)).sum(-1)  # [B, t, KV, G]
             g_values = torch.stack([(g * value.unsqueeze(3)).sum(-1) for value in values], dim=-1)  # [B, t, KV, G, j]
@@ -599,6 +598,13 @@ def _fused_merge(context_out, context_lse, q, draft_k, draft_v, group: int) -> t
     return _FusedMergeDiagonalKeys.apply(context_out, context_lse, q, group, *draft_k, *draft_v)
 
 
+def allow_compiled_graphs(count: int) -> None:
+    """Let torch.compile keep at least ``count`` graphs of one function (dynamo's default is 8;
+    past its limit a function runs eagerly). The drafter's compiled code has a graph per TTT
+    step or number of diagonal keys, per dtype and per gradient need."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, count)
+
+
 _compiled_merge = None
 
 
@@ -615,7 +621,7 @@ def _merge_kernel(q: torch.Tensor):
             # A graph per number of diagonal keys (1 to ttt_length - 1), per dtype and per
             # gradient need: more than dynamo's default of 8 graphs a function, past which it
             # would run the merge eagerly, an op a kernel.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            allow_compiled_graphs(64)
             _compiled_merge = torch.compile(_fused_merge, dynamic=False)
         return _compiled_merge
     return None

@@ -82,7 +82,6 @@ class TargetHead:
         if full.shape[0] != t2d.numel():
             raise ValueError(f"target lm_head has {full.shape[0]} rows, draft vocab t2d covers {t2d.numel()}")
         t2d = t2d.bool()
-        self.t2d = t2d.to(device)
         draft, other = t2d.nonzero().squeeze(-1), (~t2d).nonzero().squeeze(-1)
         self.draft_columns, self.other_columns = draft.to(device), other.to(device)
         # One tensor, draft rows first: the two blocks are views of it (no second copy of the head).
@@ -319,7 +318,7 @@ def compile_drafter(model: drafter_lib.Eagle3Drafter) -> None:
     """train.compile: the drafter's layer and its final norm, each step's elementwise work fused
     around the products (the loss's chunk is compiled in eaglenest.stages.draft_loss)."""
     # One graph per TTT step (each attends to one more diagonal key) and per batch shape.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    drafter_lib.allow_compiled_graphs(64)
     model.midlayer.compile(dynamic=False)
     model.norm.compile(dynamic=False)
 
