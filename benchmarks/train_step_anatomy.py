@@ -33,7 +33,7 @@ import platform
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -117,16 +117,6 @@ def random_batch(shape: dict, args, generator: torch.Generator) -> dict:
     return batch
 
 
-@contextmanager
-def _patched(owner, attribute: str, value):
-    saved = getattr(owner, attribute)
-    setattr(owner, attribute, value)
-    try:
-        yield
-    finally:
-        setattr(owner, attribute, saved)
-
-
 def _reused_target_head(head):
     """The target head run once: later steps reuse its soft labels (no product at all)."""
     kept = {}
@@ -165,11 +155,12 @@ ABLATIONS = {
     "without the target head (its soft labels reused)": _reused_target_head,
     "the target head of a later epoch (the in-draft test known: its draft block only)": _later_epoch_target_head,
     "without the merge of the diagonal keys (context attention's output as is)":
-        lambda: _patched(drafter, "merge_diagonal_keys", lambda out, lse, q, k, v, group: out),
+        lambda: train_throughput.patched(drafter, "merge_diagonal_keys", lambda out, lse, q, k, v, group: out),
     "context attention by SDPA's causal kernel instead of FlexAttention (no log-sum-exp)":
-        lambda: _patched(drafter.TTTCache, "attend_context", _sdpa_context),
+        lambda: train_throughput.patched(drafter.TTTCache, "attend_context", _sdpa_context),
     "without gradient clipping":
-        lambda: _patched(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.zeros((), device="cpu")),
+        lambda: train_throughput.patched(torch.nn.utils, "clip_grad_norm_",
+                                         lambda params, max_norm: torch.zeros((), device="cpu")),
 }
 
 

@@ -221,6 +221,17 @@ def timed_run(name: str, args, drafter_dir: Path, processes: int, setup_seconds:
 
 
 @contextmanager
+def patched(owner, attribute: str, value):
+    """``owner.attribute`` is ``value`` while the context lasts."""
+    saved = getattr(owner, attribute)
+    setattr(owner, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attribute, saved)
+
+
+@contextmanager
 def profiled(enabled: bool, device: torch.device):
     """torch.profiler over the whole training call when ``enabled`` (its step times then
     include the profiler's own cost); yields the profiler or None."""
@@ -365,19 +376,16 @@ def check_backends(device: torch.device) -> dict:
     batch = {k: v.to(device) for k, v in batch.items()}
     weights = torch.randn(7, length, config.draft_vocab_size, generator=generator).to(device) * 1e-2
     runs = {}
-    merge = drafter.merge_diagonal_keys
     for backend, reference_merge in (("dense", False), ("flex", False), ("dense", True)):
         torch.manual_seed(0)
         model = drafter.Eagle3Drafter(config).to(device)
         objective = train_lib.TTTObjective(model, 7, attention_backend=backend)
         # The merge of the diagonal keys as the GPU runs it (compiled, fused) or by autograd
         # through its plain ops, the tests' reference.
-        drafter.merge_diagonal_keys = drafter.merge_diagonal_keys_autograd if reference_merge else merge
-        try:
+        merge = drafter.merge_diagonal_keys_autograd if reference_merge else drafter.merge_diagonal_keys
+        with patched(drafter, "merge_diagonal_keys", merge):
             logits = [model.compute_logits(normed)[0] for _, normed in objective.unroll(batch)]
             sum((w * out).sum() for w, out in zip(weights, logits)).backward()
-        finally:
-            drafter.merge_diagonal_keys = merge
         runs[backend, reference_merge] = ([out.detach() for out in logits],
                                           {n: p.grad for n, p in model.named_parameters() if p.requires_grad})
 
