@@ -7,6 +7,7 @@
 #   PART=anatomy bash benchmarks/h200_train_steps.sh   # benchmarks/train_step_anatomy.py: 1 x 4,096 beside its
 #                                                      # ceiling, then the peak of 8 x 4,096 recomputed
 #   PART=anatomy-smollm2 bash benchmarks/h200_train_steps.sh  # the SmolLM2 real run's step, compiled and eager
+#   PART=anatomy-smollm2-goal bash benchmarks/h200_train_steps.sh  # the goal's SmolLM2 step (below), compiled
 #   PART=memory  bash benchmarks/h200_train_steps.sh   # 8 x 4,096 with train.recompute_steps (the 40 GB goal)
 #   PART=compile bash benchmarks/h200_train_steps.sh   # Kimi 1 x 4,096 compiled (its first step compiles
 #                                                      # for minutes: alone in its call)
@@ -23,7 +24,7 @@
 # and shards (in TMPDIR, /dev/shm by default).
 source "$(dirname "$0")/h200_steps.sh"
 # PART may name several, run in that order: PART="kimi memory" fills one 10-minute call.
-PART=${PART:?PART=kimi, profile, anatomy, anatomy-smollm2, memory, compile, smollm2, smollm2-goal or ddp}
+PART=${PART:?PART=kimi, profile, anatomy, anatomy-smollm2, anatomy-smollm2-goal, memory, compile, smollm2, smollm2-goal or ddp}
 DEST=${DEST:-benchmarks/results}
 # Files are named by TAG: the date unless given (the commit measured, when a day holds several)
 DAY=${TAG:-$(date -u +%F)}
@@ -36,7 +37,8 @@ for part in $PART; do
 case $part in
   kimi)  # about 4 minutes on one H200 (2026-12-02); --check first compares the GPU's attention and merge
          # of the diagonal keys with the dense path and autograd's (float32)
-    timed kimi-1x4096 timeout 400 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling --check \
+    # CHECK= (empty) leaves the check out: a minute less
+    timed kimi-1x4096 timeout 400 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 1 --ceiling ${CHECK---check} \
       --out "$DEST/train_throughput_h200_kimi_1x4096_$DAY.json"
     ;;
   profile)
@@ -58,6 +60,11 @@ case $part in
     timed smollm2-anatomy-eager timeout 200 python3 benchmarks/train_step_anatomy.py --shape smollm2 --rows 8 \
       --token-budget 4096 --sample-len 2048 --hidden-dtype float8_e4m3 --draft-vocab 32000 \
       --out "$DEST/train_step_anatomy_h200_smollm2_8x4096_$DAY.json"
+    ;;
+  anatomy-smollm2-goal)
+    timed smollm2-goal-anatomy-compile timeout 330 python3 benchmarks/train_step_anatomy.py --shape smollm2 --rows 8 \
+      --token-budget 4096 --sample-len 1024 --compile \
+      --out "$DEST/train_step_anatomy_h200_smollm2_goal_shape_compile_$DAY.json"
     ;;
   memory)  # 8 x 4,096 Kimi rows are 15 GB of random shards to write first: about 4 minutes
     timed kimi-8x4096-recompute timeout 500 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 8 \
@@ -84,6 +91,6 @@ case $part in
     timed kimi-2x4096-ddp timeout 300 python3 benchmarks/train_throughput.py "${KIMI[@]}" --rows 2 \
       --processes 1 --processes 2 --out "$DEST/train_throughput_h200x2_kimi_2x4096_ddp_$DAY.json"
     ;;
-  *) echo "PART is kimi, profile, anatomy, anatomy-smollm2, memory, compile, smollm2, smollm2-goal or ddp, not $part" >&2; exit 2 ;;
+  *) echo "PART is kimi, profile, anatomy, anatomy-smollm2, anatomy-smollm2-goal, memory, compile, smollm2, smollm2-goal or ddp, not $part" >&2; exit 2 ;;
 esac
 done
