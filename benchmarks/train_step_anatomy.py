@@ -108,6 +108,10 @@ def random_batch(shape: dict, args, generator: torch.Generator) -> dict:
         "loss_mask": torch.ones(rows, length, dtype=torch.bool),
         "aux_hidden": torch.randn(rows, length, 3 * target["hidden_size"], generator=generator).bfloat16(),
         "last_hidden": torch.randn(rows, length, target["hidden_size"], generator=generator).bfloat16(),
+        # Which sample each token is, on the device and on the host, as loader.RowReader gives them
+        "sample_index": (torch.arange(rows).unsqueeze(1) * (length // args.sample_len)
+                         + torch.arange(length) // args.sample_len),
+        "samples": tuple(range(rows * (length // args.sample_len))),
     }
     if args.hidden_dtype == shards.FP8_DTYPE:  # as the loader keeps extraction's fp8 rows: values and scales
         for name, layers in (("aux_hidden", 3), ("last_hidden", 1)):
@@ -251,7 +255,7 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     host_batch = random_batch(shape, args, torch.Generator().manual_seed(2))
     if device.type == "cuda":
-        host_batch = {key: value.pin_memory() for key, value in host_batch.items()}
+        host_batch = {key: value.pin_memory() if torch.is_tensor(value) else value for key, value in host_batch.items()}
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     decay = [0.8**j for j in range(args.ttt_length)]
     tokens = args.rows * args.token_budget

@@ -635,6 +635,32 @@ def test_device_batches_yield_every_step_once_in_order_whether_or_not_the_step_p
     assert seen == [(0, 0, 10.0), (1, 1, 11.0), (2, None, 0.0), (3, 3, 13.0), (4, 4, 14.0)]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_batches_move_the_loader_s_real_batches_prefetched_or_not(tiny_run, device):
+    """The loader's own batches (tensors and the host-side ``samples`` tuple) through
+    train.DeviceBatches, every other step prefetched on the copy stream (on a GPU): each batch
+    equals train.to_device's of the same host batch, and ``samples`` passes through."""
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    reader = loader.RowReader(dataset)
+    steps = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
+    host = [(n, 0, reader.batch(rows, pad_to=64, pad_rows=2)) for n, rows in enumerate(steps)]
+    assert len(host) >= 3 and all(isinstance(batch["samples"], tuple) for _, _, batch in host)
+    batches = train.DeviceBatches(iter(host), torch.device(device), torch.float32)
+    for n, (step, _, moved, tokens) in enumerate(batches):
+        expected = train.to_device(host[step][2], torch.device(device), torch.float32)
+        assert moved.keys() == expected.keys() and moved["samples"] == host[step][2]["samples"]
+        for key, value in expected.items():
+            if torch.is_tensor(value):
+                assert value.device.type == device and torch.equal(moved[key], value), key
+        assert tokens == float(host[step][2]["tokens"])
+        if n % 2 == 0:
+            batches.prefetch()
+    assert step == len(host) - 1
+
+
 def test_later_epochs_reading_the_in_draft_cache_train_the_same_weights_as_computing_it(tiny_run, tmp_path, monkeypatch):
     """Three epochs: from the second on every batch's in-draft test comes from train.InDraftCache
     (the target head runs its draft block only). The weights and the curve equal, bit for bit,

@@ -590,8 +590,9 @@ class DeviceBatches:
             if copied is not None and moved is not None:
                 current = torch.cuda.current_stream(self.device)
                 current.wait_event(copied)
-                for tensor in moved.values():
-                    tensor.record_stream(current)
+                for value in moved.values():
+                    if torch.is_tensor(value):  # the batch's host entries (its ``samples``) stay as they are
+                        value.record_stream(current)
         return step, epoch, moved, float(batch["tokens"]) if batch is not None else 0.0
 
 
