@@ -197,3 +197,18 @@ def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cp
     # The ablations patch only while they run.
     from eaglenest.model import drafter
     assert drafter.merge_diagonal_keys.__name__ == "merge_diagonal_keys"
+
+
+def test_loss_chunk_benchmark_times_each_variant_and_checks_it_against_the_eager_chunk(tmp_path):
+    """benchmarks/loss_chunk.py on the CPU: every variant of the loss chunk timed at each shape,
+    with the same hits and loss as the eager chunk."""
+    import loss_chunk
+
+    out = tmp_path / "loss_chunk.json"
+    loss_chunk.main(["--device", "cpu", "--shape", "24x300", "--warmup", "1", "--calls", "2", "--out", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert (result["rows"], result["vocab"]) == (24, 300)
+    assert set(result["variants"]) == set(loss_chunk.VARIANTS)
+    for run in result["variants"].values():
+        assert run["ms_per_call"] > 0 and run["same_hits"] and run["loss_rel_diff"] < 1e-5
+        assert run["grad_max_abs_diff"] < 1e-2

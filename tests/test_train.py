@@ -579,14 +579,13 @@ def test_head_soft_cross_entropy_equals_autograd_of_the_plain_formula(chunk_rows
 
 
 def test_compiled_loss_chunk_equals_the_eager_chunk_for_any_row_count():
-    """train.compile runs a loss chunk's elementwise part (draft_loss.soft_ce_chunk: the loss,
-    the hits, the gradient in the logits' bf16) as one compiled kernel, for every row count
-    alike. Compiled here by inductor on the CPU: the same hits, the loss within float32
+    """train.compile runs a loss chunk's elementwise part (draft_loss.soft_ce_chunk_per_row: the
+    loss, the hits, the gradient in the logits' bf16) compiled, for every row count alike. Compiled here by inductor on the CPU: the same hits, the loss within float32
     rounding, the gradient within one bf16 step."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    compiled = torch.compile(draft_loss.soft_ce_chunk, dynamic=True)
+    compiled = torch.compile(draft_loss.soft_ce_chunk_per_row, dynamic=True)
     generator = torch.Generator().manual_seed(5)
     for rows in (13, 40):
         logits = (torch.randn(rows, 300, generator=generator) * 4).to(torch.bfloat16)

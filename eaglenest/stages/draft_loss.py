@@ -19,24 +19,38 @@ from __future__ import annotations
 import torch
 
 
-def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids: torch.Tensor, with_grad: bool):
+def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids: torch.Tensor, with_grad: bool,
+                  per_row: bool = False):
     """(sum over rows of -sum_k p_k log softmax(z)_k in float32, top-1 hits (argmax z ==
     ``target_ids``), d/dz of that sum in ``logits``' dtype or None), for z = ``logits`` and
     p = softmax(``target_logits``), both [rows, vocab].
 
     sum_k p_k (lse(z) - z_k) = lse(z) - p . z since the p_k of a row sum to one; the gradient
     softmax(z) - p overwrites the float32 copy of z in place. Hits and the gradient's cast are
-    read from the same pass, so a compiled chunk reads each [rows, vocab] block once and writes
-    the gradient once, in the dtype the head's products take it in."""
+    read from the same pass, so a compiled chunk reads each [rows, vocab] block a few times and
+    writes the gradient once, in the dtype the head's products take it in.
+
+    ``per_row`` (the compiled chunk) sums p . z row by row, as the other reductions go, so the
+    compiler fuses them into the kernels that read a row; one dot product over the whole block
+    made it split that reduction and read the block in kernels of their own (0.37 TB/s on an
+    H200, benchmarks/loss_chunk.py). Eagerly the one dot product needs no [rows, vocab] temporary."""
     z = logits.float()
     # z is logits widened exactly: the same argmax, ties included.
     hits = (z.argmax(-1) == target_ids).sum()
     lse = torch.logsumexp(z, dim=-1)
     p = torch.softmax(target_logits.float(), dim=-1)
-    total = lse.sum() - torch.dot(p.flatten(), z.flatten())
+    if per_row:
+        total = (lse - (p * z).sum(-1)).sum()
+    else:
+        total = lse.sum() - torch.dot(p.flatten(), z.flatten())
     if not with_grad:
         return total, hits, None
     return total, hits, z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(logits.dtype)
+
+
+def soft_ce_chunk_per_row(logits, target_logits, target_ids, with_grad):
+    """soft_ce_chunk with its reductions row by row: the function train.compile compiles."""
+    return soft_ce_chunk(logits, target_logits, target_ids, with_grad, per_row=True)
 
 
 _compiled_chunk = None
@@ -48,7 +62,7 @@ def _chunk_function(compiled: bool):
         return soft_ce_chunk
     if _compiled_chunk is None:
         # Each step's number of counted positions differs: one kernel for every row count.
-        _compiled_chunk = torch.compile(soft_ce_chunk, dynamic=True)
+        _compiled_chunk = torch.compile(soft_ce_chunk_per_row, dynamic=True)
     return _compiled_chunk
 
 
