@@ -202,6 +202,7 @@ def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cp
 def test_loss_chunk_benchmark_times_each_variant_and_checks_it_against_the_eager_chunk(tmp_path):
     """benchmarks/loss_chunk.py on the CPU: every variant of the loss chunk timed at each shape,
     with the same hits and loss as the eager chunk."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import loss_chunk
 
     out = tmp_path / "loss_chunk.json"
