@@ -248,7 +248,7 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(torch.bfloat16)  # as the target stores it
     settings = train.DEFAULTS
     objective = train.TTTObjective(model, args.ttt_length, settings["loss_chunk_rows"], settings["attention"],
-                                   args.recompute_steps, compile_loss=args.compile)
+                                   args.recompute_steps)
     if args.compile and device.type == "cuda":
         train.compile_drafter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -11,7 +11,8 @@ at once into the gradients of the head's input and weight. Those two small tenso
 backward pass keeps; it only scales them by the loss's upstream gradient (a scalar, the step's
 weight in the objective), which is exact because the loss is linear in its upstream scale.
 
-On a GPU with ``compiled=True`` the elementwise part of a chunk runs as one compiled kernel.
+On a GPU with ``compiled=True`` (the training step's default, train.TTTObjective) the elementwise
+part of a chunk runs compiled: a few fused kernels that read a row's block together.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids:
 
     ``per_row`` (the compiled chunk) sums p . z row by row, as the other reductions go, so the
     compiler fuses them into the kernels that read a row; one dot product over the whole block
-    made it split that reduction and read the block in kernels of their own (0.37 TB/s on an
-    H200, benchmarks/loss_chunk.py). Eagerly the one dot product needs no [rows, vocab] temporary."""
+    made it split that reduction into kernels of their own. On an H200 (benchmarks/loss_chunk.py)
+    an 8,192 x 32,000 chunk took 4.85 ms that way and takes 1.89 ms row by row (7.20 ms eagerly).
+    Eagerly the one dot product needs no [rows, vocab] temporary."""
     z = logits.float()
     # z is logits widened exactly: the same argmax, ties included.
     hits = (z.argmax(-1) == target_ids).sum()
@@ -49,7 +51,7 @@ def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids:
 
 
 def soft_ce_chunk_per_row(logits, target_logits, target_ids, with_grad):
-    """soft_ce_chunk with its reductions row by row: the function train.compile compiles."""
+    """soft_ce_chunk with its reductions row by row: the function compiled for a GPU."""
     return soft_ce_chunk(logits, target_logits, target_ids, with_grad, per_row=True)
 
 
