@@ -213,3 +213,17 @@ def test_loss_chunk_benchmark_times_each_variant_and_checks_it_against_the_eager
     for run in result["variants"].values():
         assert run["ms_per_call"] > 0 and run["same_hits"] and run["loss_rel_diff"] < 1e-5
         assert run["grad_max_abs_diff"] < 1e-2
+
+
+def test_loader_speed_times_the_loader_beside_a_baseline_checkout_with_the_same_batches(tmp_path):
+    """benchmarks/loader_speed.py on the CPU, this checkout as its own baseline: both loaders
+    timed, and their batches equal."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import loader_speed
+
+    out = tmp_path / "loader_speed.json"
+    loader_speed.main(["--shape", "smollm2", "--rows", "2", "--token-budget", "64", "--sample-len", "30",
+                       "--steps", "2", "--repeats", "2", "--baseline", str(REPO), "--out", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["same_batches"] and result["batches_timed"] == 2
+    assert result["eaglenest"]["median_ms"] > 0 and result["baseline"]["median_ms"] > 0

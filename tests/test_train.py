@@ -122,6 +122,30 @@ def test_packed_batch_restarts_positions_and_pads_with_no_loss(tiny_run):
     assert batch["tokens"].item() == first + second
 
 
+def test_batch_padding_holds_zero_hidden_rows_whatever_the_memory_held(tiny_run, monkeypatch):
+    """The loader makes its hidden tensors without zeroing them first and zeroes only the padding:
+    with every new tensor's memory full of NaN, the padding (a row's tail and a whole empty row)
+    is still zero, and the samples' rows are the shards' own."""
+    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    rows = [[0, 1], [2]]
+    clean = loader.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
+    real_empty = torch.empty
+
+    def dirty_empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor.fill_(7)
+
+    monkeypatch.setattr(torch, "empty", dirty_empty)
+    dirty = loader.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
+    monkeypatch.undo()
+    for name in ("aux_hidden", "last_hidden"):
+        assert torch.equal(dirty[name], clean[name]), name
+        for b, row in enumerate(rows + [[]]):
+            used = sum(dataset.samples[i].length for i in row)
+            assert not dirty[name][b, used:].any(), (name, b)
+            assert dirty[name][b, :used].isfinite().all()
+
+
 def test_padded_steps_all_have_one_shape_and_the_padding_rows_change_nothing(tiny_run):
     """On CUDA every step is padded to token_budget x rows_per_step, the epoch's short last step
     too, so that the compiled step is compiled once; empty rows add no loss, hits or gradient."""
