@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import train_throughput  # noqa: E402
-from eaglenest.stages import consolidate, loader  # noqa: E402
+from eaglenest.stages import loader  # noqa: E402
 
 
 def load_loader(checkout: Path):
@@ -45,14 +45,7 @@ def load_loader(checkout: Path):
 
 
 def make_dataset(root: Path, shape_name: str, args) -> loader.Dataset:
-    shape = train_throughput.shape_of(shape_name, args)
-    samples = args.steps * args.rows * max(1, args.token_budget // args.sample_len)
-    hidden, prepared = train_throughput.write_shards(root, shape, samples, args.sample_len, args.samples_per_shard,
-                                                     seed=2, hidden_dtype=args.hidden_dtype)
-    out = root / "consolidated"
-    expect = {"target": "bench", "layer_ids": shape["layer_ids"], "dtype": args.hidden_dtype}
-    consolidate.consolidate(hidden, prepared, out / "index.json", out / "draft_vocab.safetensors", out / "split.json",
-                            shape["target"]["vocab_size"], shape["draft_vocab"], expect, val_fraction=0.0)
+    out, expect = train_throughput.write_consolidated(root, train_throughput.shape_of(shape_name, args), args)
     return loader.open_split(out / "index.json", out / "split.json", "train", expect)
 
 

@@ -107,6 +107,22 @@ def write_shards(root: Path, shape: dict, samples: int, sample_len: int, per_sha
     return hidden_paths, prepared_paths
 
 
+def write_consolidated(root: Path, shape: dict, args) -> tuple[Path, dict]:
+    """Random shards of the shape for ``args.steps`` steps of ``args.rows`` rows of samples of
+    ``args.sample_len``, consolidated with no validation split: (the consolidated folder, the
+    metadata the shards are expected to carry)."""
+    samples = args.steps * args.rows * (args.token_budget // args.sample_len)
+    hidden_paths, prepared_paths = write_shards(root, shape, samples, args.sample_len, args.samples_per_shard, seed=2,
+                                                hidden_dtype=args.hidden_dtype)
+    out = root / "consolidated"
+    expect = {"target": "bench", "layer_ids": shape["layer_ids"], "dtype": args.hidden_dtype}
+    # Random ids would give a random draft vocab; bench_shape replaces it with the target's own.
+    consolidate.consolidate(hidden_paths, prepared_paths, out / "index.json", out / "draft_vocab.safetensors",
+                            out / "split.json", shape["target"]["vocab_size"], shape["draft_vocab"], expect,
+                            val_fraction=0.0)
+    return out, expect
+
+
 def step_flops(config: drafter.DrafterConfig, record: dict, row_tokens: int) -> float:
     parts = drafter.flops_per_token_step(config)
     tokens = record["tokens"]
@@ -145,14 +161,7 @@ def bench_shape(name: str, args, device: torch.device, workdir: Path) -> list[di
     draft_ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(1))[: shape["draft_vocab"]]
     write_target(root / "target", shape, draft_ids, seed=0)
     began = time.perf_counter()
-    samples = args.steps * args.rows * (args.token_budget // args.sample_len)
-    hidden_paths, prepared_paths = write_shards(root, shape, samples, args.sample_len, args.samples_per_shard, seed=2,
-                                                hidden_dtype=args.hidden_dtype)
-    out = root / "consolidated"
-    expect = {"target": "bench", "layer_ids": shape["layer_ids"], "dtype": args.hidden_dtype}
-    # Random ids would give a random draft vocab; consolidate counts them, then we keep ours.
-    consolidate.consolidate(hidden_paths, prepared_paths, out / "index.json", out / "draft_vocab.safetensors",
-                            out / "split.json", vocab_size, shape["draft_vocab"], expect, val_fraction=0.0)
+    out, expect = write_consolidated(root, shape, args)
     from eaglenest.formats import vocab
 
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
