@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from eaglenest.target import layer_ids
-from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch
+from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch, spool
 
 CACHE = Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "wheels"
 
@@ -271,23 +271,28 @@ def make_req(rid, ids, mode=True):
     return SimpleNamespace(rid=rid, origin_input_ids=ids, return_hidden_states=mode, customized_info=None, hidden_states=[])
 
 
-def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src, tmp_path):
+@pytest.mark.parametrize("background", [False, True], ids=["written-here", "spool-writer"])
+def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src, tmp_path, background):
     mode = pinned_capture_hidden_mode(sglang_src)
     original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["0.5.23"]["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
-    patched = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: True)
+    writer = spool.SpoolWriter(2) if background else None
+    patched = sglang_patch.make_append_prefill_hidden_states(original, {"spool_dir": str(tmp_path)}, lambda: True, writer)
     output = make_batch(12)
     first, second = make_req("r-1", [5, 6, 7, 8, 9]), make_req("r-2", list(range(7)))
     offset = patched(None, req=first, logits_output=output, hidden_state_offset=0, capture_hidden_mode=mode.FULL, extend_input_len=5)
     offset = patched(None, req=second, logits_output=output, hidden_state_offset=offset, capture_hidden_mode=mode.FULL, extend_input_len=7)
     assert offset == 12
+    if writer is not None:
+        writer.flush()
     for req, rows in ((first, slice(0, 5)), (second, slice(5, 12))):
         (descriptor,) = req.customized_info[sglang_patch.SPOOL_KEY]
         assert descriptor["path"] == str(tmp_path / f"{req.rid}.safetensors")
-        assert descriptor["aux_hidden"] == {"shape": [rows.stop - rows.start, 24], "dtype": "bfloat16"}
-        spooled = sglang_patch.read_spooled(descriptor["path"])
+        assert descriptor["tensors"]["aux_hidden"] == {"shape": [rows.stop - rows.start, 24], "dtype": "bfloat16"}
+        spooled, metadata = spool.read_spool_file(descriptor["path"])
         assert torch.equal(spooled["aux_hidden"], output.hidden_states[rows])
         assert torch.equal(spooled["last_hidden"], output.last_hidden_states[rows])
         assert spooled["input_ids"].tolist() == list(req.origin_input_ids)
+        assert metadata == {"rid": req.rid, "finite": "1"}
         assert req.hidden_states == []  # no JSON float lists
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r-1.safetensors", "r-2.safetensors"]
 
@@ -308,11 +313,11 @@ def test_patched_prefill_leaves_last_token_requests_and_other_ranks_alone(sglang
 
 def test_a_partial_prefill_is_reported_not_spooled(tmp_path):
     aux, last = torch.zeros(3, 6), torch.zeros(3, 2)
-    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3, 4, 5], aux, last)
+    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3, 4, 5], {"aux_hidden": aux, "last_hidden": last})
     assert "radix cache or chunked prefill is on" in descriptor["error"]
     assert list(tmp_path.iterdir()) == []
-    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3], aux, None)
-    assert "no last hidden states" in descriptor["error"]
+    descriptor = sglang_patch.spool_prefill_rows(tmp_path, "r-1", [1, 2, 3], {"aux_hidden": aux, "last_hidden": None})
+    assert "no last_hidden" in descriptor["error"]
 
 
 def test_request_ids_that_are_not_plain_file_names_are_refused(tmp_path):
@@ -398,19 +403,21 @@ def test_sglang_0514_hooks_spool_aux_and_final_rows_of_each_request(sglang_0514_
     assert stored.shape == (n, 4 * hidden)
     # Without capture, or in "last" mode, 0.5.14's own result comes back unchanged.
     assert store(None, final, None, aux, final, None, [a[-1:] for a in aux], None, SimpleNamespace(capture_hidden_mode=mode.NULL)) is None
+    writer = spool.SpoolWriter(2)
     append = sglang_patch.make_append_prefill_hidden_states_0514(
-        pinned_0514(sglang_0514_src, "append_prefill"), {"spool_dir": str(tmp_path), "hidden_size": hidden}, lambda: True
+        pinned_0514(sglang_0514_src, "append_prefill"), {"spool_dir": str(tmp_path), "hidden_size": hidden}, lambda: True, writer
     )
     output = SimpleNamespace(hidden_states=stored)
     first, second = make_req("r-1", [5, 6, 7, 8, 9]), make_req("r-2", list(range(7)))
     first.extend_input_len, second.extend_input_len = 5, 7
     offset = append(None, req=first, logits_output=output, hidden_state_offset=0)
     assert append(None, req=second, logits_output=output, hidden_state_offset=offset) == 12
+    writer.flush()
     for req, rows in ((first, slice(0, 5)), (second, slice(5, 12))):
         (descriptor,) = req.customized_info[sglang_patch.SPOOL_KEY]
         spooled = sglang_patch.read_spooled(descriptor["path"])
-        assert torch.equal(spooled["aux_hidden"], torch.cat(aux, dim=-1)[rows])
-        assert torch.equal(spooled["last_hidden"], final[rows])
+        # Spooled packed as 0.5.14 stores them: the aux layers, then the final state.
+        assert torch.equal(spooled["hidden"], torch.cat([*aux, final], dim=-1)[rows])
         assert spooled["input_ids"].tolist() == list(req.origin_input_ids) and req.hidden_states == []
     # A prefix-cache hit (fewer computed rows than prompt tokens) is reported, not spooled.
     short = make_req("r-3", list(range(6)))

@@ -85,7 +85,7 @@ def prepared_shard(tmp_path) -> Path:
 def client_kwargs(spool: Path, **overrides) -> dict:
     kwargs = dict(
         target_name=TARGET, layer_ids=LAYERS, hidden_size=HIDDEN, num_layers=7, dtype="bfloat16",
-        spool_dir=str(spool), concurrency=3, request_timeout_s=60, retries=1, backoff_s=0.05,
+        spool_dir=str(spool), concurrency=3, samples_per_request=2, request_timeout_s=60, retries=1, backoff_s=0.05,
         max_consecutive_failures=3, check_disk=False,
     )
     kwargs.update(overrides)
@@ -180,7 +180,8 @@ def test_server_dying_mid_shard_fails_cleanly_without_partial_shard(standin, pre
     process, url, spool = standin("--exit-after", "3")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
     with pytest.raises(sglang_client.SglangServerError, match=rf"SGLang server at {url} failed 3 requests in a row"):
-        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool, concurrency=1, retries=5))
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool, concurrency=1, retries=5,
+                                                                                                     samples_per_request=1))
     assert process.wait(timeout=10) == 3  # it really died
     assert_no_shard_left(hidden.parent)
     assert list(hidden.parent.iterdir()) == []  # no temp file either
@@ -200,7 +201,7 @@ def test_slow_server_times_out_with_a_clear_error(standin, prepared_shard, tmp_p
 def test_shape_mismatch_from_the_server_is_refused(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--drop-rows", "2")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
-    with pytest.raises(sglang_client.SglangServerError, match=r"returned aux \(\d+, 192\) / last \(\d+, 64\) for sample \d+ of \d+ tokens"):
+    with pytest.raises(sglang_client.SglangServerError, match=r"returned .* for sample \d+ of \d+ tokens; expected aux \(\d+, 192\) and last \(\d+, 64\)"):
         sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool))
     assert_no_shard_left(hidden.parent)
     assert list(spool.iterdir()) == []

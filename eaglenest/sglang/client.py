@@ -37,7 +37,7 @@ import torch
 
 from eaglenest.stages import shard_driver
 from eaglenest.formats import shards
-from eaglenest.sglang import patch as sglang_patch
+from eaglenest.sglang import patch as sglang_patch, spool
 from eaglenest.target import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
@@ -126,23 +126,27 @@ def check_server(
 
 
 class _ShardRequests:
-    """Sends one shard's samples and gathers their spooled tensors."""
+    """Sends one shard's samples, many to a request, and gathers their spooled tensors."""
 
-    def __init__(self, url, spool_dir, shard_tag, layer_ids, hidden_size, timeout_s, retries, backoff_s, max_consecutive_failures):
+    def __init__(self, url, spool_dir, shard_tag, layer_ids, hidden_size, timeout_s, retries, backoff_s,
+                 max_consecutive_failures, spool_timeout_s):
         self.url = url.rstrip("/")
         self.spool_dir = Path(spool_dir).resolve()
         self.shard_tag = shard_tag
+        self.hidden_size = hidden_size
         self.widths = (len(layer_ids) * hidden_size, hidden_size)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_consecutive_failures = max_consecutive_failures
+        self.spool_timeout_s = spool_timeout_s
         self.lock = threading.Lock()
         self.consecutive_failures = 0
+        self.requests_sent = 0
         self.stop = threading.Event()
         self.first_error: SglangServerError | None = None  # the cause, not the "stopped" echoes
 
-    def _post(self, payload: dict) -> dict:
+    def _post(self, payload: dict):
         request = urllib.request.Request(
             self.url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
         )
@@ -159,6 +163,7 @@ class _ShardRequests:
 
     def _record(self, failed: bool, reason: str = "") -> None:
         with self.lock:
+            self.requests_sent += 1
             self.consecutive_failures = self.consecutive_failures + 1 if failed else 0
             if failed and self.consecutive_failures >= self.max_consecutive_failures:
                 self.stop.set()
@@ -169,10 +174,10 @@ class _ShardRequests:
                     "or a plain rerun extract only the missing shards.".replace("{url}", self.url)
                 )
 
-    def fetch(self, index: int, token_ids: list[int]):
-        """(aux [n, A*H], last [n, H]) of one sample, in the server's dtype."""
+    def fetch(self, samples: list[tuple[int, list[int]]]):
+        """[(index, aux [n, A*H], last [n, H], finite)] of (index, token ids) samples, in the server's dtype."""
         try:
-            return self._fetch(index, token_ids)
+            return self._fetch(samples)
         except SglangServerError as err:
             with self.lock:
                 if self.first_error is None:
@@ -180,14 +185,17 @@ class _ShardRequests:
             self.stop.set()
             raise
 
-    def _fetch(self, index: int, token_ids: list[int]):
+    def _fetch(self, samples):
+        what = f"samples {samples[0][0]}-{samples[-1][0]}" if len(samples) > 1 else f"sample {samples[0][0]}"
         for attempt in range(self.retries + 1):
             if self.stop.is_set():
                 raise SglangServerError("stopped: another request of this shard failed")
-            rid = f"eaglenest-{self.shard_tag}-{index}-{uuid.uuid4().hex[:12]}"  # fresh per attempt
+            tag = uuid.uuid4().hex[:12]  # fresh per attempt: a late answer never lands on a new file
+            rids = [f"eaglenest-{self.shard_tag}-{index}-{tag}" for index, _ in samples]
+            # Always lists, so SGLang treats even one sample as a batch and answers with a list.
             payload = {
-                "input_ids": token_ids,
-                "rid": rid,
+                "input_ids": [ids for _, ids in samples],
+                "rid": rids,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
                 "return_hidden_states": True,
                 "stream": False,
@@ -195,16 +203,19 @@ class _ShardRequests:
             try:
                 response = self._post(payload)
             except _Retryable as err:
-                self._record(True, f"sample {index}: {err}")
+                self._record(True, f"{what}: {err}")
                 if attempt < self.retries:
                     time.sleep(self.backoff_s * 2**attempt)
                     continue
                 raise SglangServerError(
-                    f"SGLang server at {self.url}: sample {index} failed {self.retries + 1} times (last: {err}); "
+                    f"SGLang server at {self.url}: {what} failed {self.retries + 1} times (last: {err}); "
                     "nothing was written"
                 ) from None
             self._record(False)
-            return self._collect(index, token_ids, rid, response)
+            answers = response if isinstance(response, list) else [response]
+            if len(answers) != len(samples):
+                raise SglangServerError(f"{self.url} answered {len(answers)} results for {len(samples)} samples ({what})")
+            return [self._collect(index, ids, rid, answer) for (index, ids), rid, answer in zip(samples, rids, answers)]
         raise AssertionError("unreachable")
 
     def _collect(self, index: int, token_ids: list[int], rid: str, response: dict):
@@ -226,30 +237,49 @@ class _ShardRequests:
                     f"{self.url} spooled sample {index} to {path} (rid {descriptor.get('rid')}); expected a file "
                     f"for rid {rid} in {self.spool_dir}. Client and server must share extract.sglang.spool_dir."
                 )
-            tensors = sglang_patch.read_spooled(path)
-        except FileNotFoundError:
+            spool.wait_for_spooled(path, self.spool_timeout_s)
+            tensors, metadata = spool.read_spool_file(path)
+        except spool.SpoolError as err:
             raise SglangServerError(
-                f"spool file {path} of sample {index} does not exist here: client and server must run on the "
-                "same node and share extract.sglang.spool_dir"
+                f"sample {index}: {err}. Client and server must run on the same node and share "
+                "extract.sglang.spool_dir; a full spool directory (df -h on it) also stops the server's writes."
             ) from None
         finally:
             path.unlink(missing_ok=True)
         n = len(token_ids)
-        sent = torch.tensor(token_ids, dtype=torch.int64)
-        aux, last = tensors["aux_hidden"], tensors["last_hidden"]
-        if tuple(aux.shape) != (n, self.widths[0]) or tuple(last.shape) != (n, self.widths[1]):
+        if "hidden" in tensors:  # packed rows [aux..., last] (sglang 0.5.14)
+            aux, last = tensors["hidden"][:, : -self.hidden_size], tensors["hidden"][:, -self.hidden_size :]
+        else:
+            aux, last = tensors.get("aux_hidden"), tensors.get("last_hidden")
+        if aux is None or last is None or tuple(aux.shape) != (n, self.widths[0]) or tuple(last.shape) != (n, self.widths[1]):
+            shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
             raise SglangServerError(
-                f"{self.url} returned aux {tuple(aux.shape)} / last {tuple(last.shape)} for sample {index} of "
-                f"{n} tokens; expected ({n}, {self.widths[0]}) / ({n}, {self.widths[1]})"
+                f"{self.url} returned {shapes} for sample {index} of {n} tokens; expected aux ({n}, {self.widths[0]}) "
+                f"and last ({n}, {self.widths[1]})"
             )
-        if not torch.equal(tensors["input_ids"].to(torch.int64), sent):
+        if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
             raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
-        return aux, last
+        return index, aux, last, metadata.get("finite") == "1"
 
     def remove_leftovers(self) -> None:
         """Spool files of this shard that a late answer may still write after a failure."""
         for leftover in self.spool_dir.glob(f"eaglenest-{self.shard_tag}-*"):
             leftover.unlink(missing_ok=True)
+
+
+def request_groups(token_counts: list[int], samples_per_request: int, tokens_per_request: int) -> list[list[int]]:
+    """Sample indices in shard order, cut into requests of at most ``samples_per_request``
+    samples and ``tokens_per_request`` prompt tokens (a longer sample goes alone)."""
+    groups, current, tokens = [], [], 0
+    for index, count in enumerate(token_counts):
+        if current and (len(current) == samples_per_request or tokens + count > tokens_per_request):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(index)
+        tokens += count
+    if current:
+        groups.append(current)
+    return groups
 
 
 def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
@@ -274,10 +304,12 @@ class ServerBackend:
     in_token_order = False  # concurrent requests finish in any order
 
     def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
-                 retries, backoff_s, max_consecutive_failures):
+                 retries, backoff_s, max_consecutive_failures, samples_per_request=64, tokens_per_request=131072,
+                 spool_timeout_s=120.0):
         self.url, self.shard_tag, self.target_name = url, shard_tag, target_name
         self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
-        self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures)
+        self.samples_per_request, self.tokens_per_request = samples_per_request, tokens_per_request
+        self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures, spool_timeout_s)
 
     def target_shape(self) -> tuple[int, int]:
         return self.num_layers, self.hidden_size
@@ -294,21 +326,22 @@ class ServerBackend:
     def hidden_states(self, prepared: shards.ShardReader, layer_ids: list[int]) -> Iterator[shard_driver.StateRows]:
         requests = self.requests
         tensors = prepared.tensors(shards.PREPARED_TENSORS)
-        offsets, input_ids = tensors["offsets"], tensors["input_ids"]
+        offsets, input_ids = tensors["offsets"].tolist(), tensors["input_ids"]
         # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
         requests.remove_leftovers()
+        groups = request_groups(list(prepared.token_counts), self.samples_per_request, self.tokens_per_request)
         pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="sglang-client")
         try:
-            futures = {}
-            for index in range(len(prepared.token_counts)):
-                start, end = int(offsets[index]), int(offsets[index + 1])
-                futures[pool.submit(requests.fetch, index, input_ids[start:end].tolist())] = start
+            futures = [
+                pool.submit(requests.fetch, [(i, input_ids[offsets[i] : offsets[i + 1]].tolist()) for i in group])
+                for group in groups
+            ]
             pending = set(futures)
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for future in done:
-                    aux, last = future.result()  # raises the first failure; the except cancels the rest
-                    yield shard_driver.StateRows(futures[future], aux, last)
+                    for index, aux, last, finite in future.result():  # raises the first failure
+                        yield shard_driver.StateRows(offsets[index], aux, last, finite=finite)
         except BaseException as err:
             requests.stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -331,7 +364,10 @@ def extract_shard_via_server(
     num_layers: int,
     dtype: str = "bfloat16",
     spool_dir: str = sglang_patch.DEFAULT_SPOOL_DIR,
-    concurrency: int = 16,
+    concurrency: int = 4,
+    samples_per_request: int = 64,
+    tokens_per_request: int = 131072,
+    spool_timeout_s: float = 120.0,
     request_timeout_s: float = 600.0,
     retries: int = 3,
     backoff_s: float = 2.0,
@@ -343,7 +379,8 @@ def extract_shard_via_server(
     """Make one hidden shard from one prepared shard through the server at ``url``."""
     shard_tag = Path(hidden_path).name.split(".")[0]
     backend = ServerBackend(url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
-                            retries, backoff_s, max_consecutive_failures)
+                            retries, backoff_s, max_consecutive_failures, samples_per_request, tokens_per_request,
+                            spool_timeout_s)
     result = shard_driver.extract_hidden_shard(
         prepared_path, hidden_path, backend, target_name, layer_ids, dtype, check_disk, disk_reserve_bytes, log_stream
     )
@@ -356,9 +393,13 @@ def extract_shard_via_server(
         "tokens": result.tokens,
         "bytes_per_token": result.bytes_per_token,
         "bytes": result.bytes,
+        "requests": backend.requests.requests_sent,
         "requests_s": round(requests_s, 3),
         "write_s": round(result.write_s, 3),
         "tokens_per_s": round(result.tokens / max(requests_s, 1e-9), 1),
+        # The whole job's rate: requests, spool reads and the shard on disk (fsynced).
+        "tokens_per_s_written": round(result.tokens / max(requests_s + result.write_s, 1e-9), 1),
+        **({"pipeline": result.pipeline} if result.pipeline else {}),
     }
     log.info("extracted %s", stats)
     return stats

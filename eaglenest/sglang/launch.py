@@ -97,6 +97,7 @@ def capture_settings(config: dict) -> dict:
         "layer_ids": hf_ids,
         "sglang_layer_ids": layer_id_convention.hf_to_sglang(hf_ids, architecture),
         "tensor_parallel": target.get("tensor_parallel", 1),
+        "writer_threads": settings["writer_threads"],
     }
 
 
@@ -124,7 +125,11 @@ def launch_command(
         "--port", str(address.port or 30000),
         "--tp-size", str(capture["tensor_parallel"]),
         "--disable-radix-cache",
+        # Chunked prefill off (a prompt's rows come from one forward); prefill batches of
+        # prefill_tokens run as CUDA graphs, which SGLang sizes from the chunk size otherwise.
         "--chunked-prefill-size", "-1",
+        "--max-prefill-tokens", str(settings["prefill_tokens"]),
+        "--cuda-graph-max-bs-prefill", str(settings["prefill_tokens"]),
         *capture_flags,
         *([] if "--dtype" in map(str, settings["extra_args"]) else ["--dtype", "bfloat16"]),
         *map(str, settings["extra_args"]),

@@ -46,14 +46,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Callable
+
+from eaglenest.sglang import spool
+from eaglenest.sglang.spool import spool_path  # noqa: F401  (the name clients and tests use)
 
 SGLANG_VERSION = "0.5.23"  # production pin (envs/sglang.yaml)
 # Every version the patch has hooks for; the tests check each against its source.
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23", "0.5.14")
-PATCH_VERSION = 1
+PATCH_VERSION = 2  # 2: spool files written off the scheduler thread, batched requests
 SERVER_KIND = "eaglenest-sglang-capture"
 SETTINGS_ENV = "EAGLENEST_CAPTURE"
 SPOOL_KEY = "eaglenest_spool"
@@ -87,7 +89,6 @@ PATCH_TARGETS = {
 }
 
 log = logging.getLogger(__name__)
-_RID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class CaptureError(RuntimeError):
@@ -97,69 +98,82 @@ class CaptureError(RuntimeError):
 # ---------------------------------------------------------------- spool (pure, CPU-testable)
 
 
-def spool_path(spool_dir: str | os.PathLike, rid: str) -> Path:
-    """The spool file of request ``rid``; request ids are file names, so they are checked."""
-    if not isinstance(rid, str) or not _RID.match(rid):
-        raise ValueError(f"request id {rid!r} is not usable as a spool file name ([A-Za-z0-9._-], 1-200 chars)")
-    return Path(spool_dir) / f"{rid}.safetensors"
+def spool_prefill_rows(spool_dir, rid: str, prompt_ids, rows: dict, writer: spool.SpoolWriter | None = None, ready=None) -> dict:
+    """Spool one request's hidden states; return the descriptor for its response at once.
+
+    ``rows`` maps spool tensor names (``aux_hidden`` and ``last_hidden``, or the packed
+    ``hidden``; see eaglenest.sglang.spool) to host tensors with one row per prompt token,
+    or to None where the server produced none. When a row count does not match the prompt
+    (a prefix-cache hit or a chunked prefill skipped rows) nothing is written and the
+    descriptor carries the reason, so the client fails with it. With a ``writer`` the file
+    is written on its threads once ``ready`` (the device-to-host copy's event) has fired;
+    without one, here and now.
+    """
+    import torch
+
+    descriptor = {"rid": rid, "patch_version": PATCH_VERSION}
+    prompt_len = len(prompt_ids)
+    missing = [name for name, tensor in rows.items() if tensor is None]
+    if missing:
+        descriptor["error"] = (
+            f"the server produced no {' / '.join(missing)}; start it with eaglenest.sglang.launch "
+            "(--enable-return-aux-hidden-states --speculative-algorithm EAGLE3)"
+        )
+        return descriptor
+    counts = {name: int(tensor.shape[0]) for name, tensor in rows.items()}
+    if any(count != prompt_len for count in counts.values()):
+        descriptor["error"] = (
+            f"got {counts} rows for a prompt of {prompt_len} tokens; the radix cache or chunked prefill is on "
+            "(start the server with --disable-radix-cache --chunked-prefill-size -1)"
+        )
+        return descriptor
+    path = spool.spool_path(spool_dir, rid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {"input_ids": torch.as_tensor(list(prompt_ids), dtype=torch.int64), **rows}
+    metadata = {"rid": rid}
+    if writer is None:
+        if ready is not None:
+            ready.synchronize()
+        metadata["finite"] = "1" if all(bool(torch.isfinite(t).all()) for t in rows.values()) else "0"
+        spool.write_spool_file(path, {name: t.detach().to("cpu") for name, t in tensors.items()}, metadata)
+    else:
+        writer.submit(path, tensors, metadata, ready)
+    descriptor.update(
+        path=str(path),
+        num_tokens=prompt_len,
+        tensors={name: _shape_and_dtype(tensor) for name, tensor in rows.items()},
+    )
+    return descriptor
 
 
 def _shape_and_dtype(tensor) -> dict:
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
-def spool_prefill_rows(spool_dir, rid: str, prompt_ids, aux_rows, last_rows) -> dict:
-    """Write one request's hidden states to the spool; return the descriptor for the response.
-
-    ``aux_rows`` [n, A*H] are the packed aux-layer inputs, ``last_rows`` [n, H] the final
-    post-norm states, one row per prompt token. When a row count does not match the
-    prompt (a prefix-cache hit or a chunked prefill skipped rows) nothing is written and
-    the descriptor carries the reason, so the client fails with it.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    descriptor = {"rid": rid, "patch_version": PATCH_VERSION}
-    prompt_len = len(prompt_ids)
-    if aux_rows is None or last_rows is None:
-        missing = "aux hidden states" if aux_rows is None else "last hidden states"
-        descriptor["error"] = (
-            f"the server produced no {missing}; start it with eaglenest.sglang.launch "
-            "(--enable-return-aux-hidden-states --speculative-algorithm EAGLE3)"
-        )
-        return descriptor
-    if aux_rows.shape[0] != prompt_len or last_rows.shape[0] != prompt_len:
-        descriptor["error"] = (
-            f"got {aux_rows.shape[0]} aux / {last_rows.shape[0]} last rows for a prompt of "
-            f"{prompt_len} tokens; the radix cache or chunked prefill is on "
-            "(start the server with --disable-radix-cache --chunked-prefill-size -1)"
-        )
-        return descriptor
-    path = spool_path(spool_dir, rid)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "input_ids": torch.as_tensor(list(prompt_ids), dtype=torch.int64),
-        "aux_hidden": aux_rows.detach().to("cpu").contiguous(),
-        "last_hidden": last_rows.detach().to("cpu").contiguous(),
-    }
-    # Temp name + rename: a client that finds the file finds all of it.
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-    descriptor.update(
-        path=str(path),
-        num_tokens=prompt_len,
-        aux_hidden=_shape_and_dtype(tensors["aux_hidden"]),
-        last_hidden=_shape_and_dtype(tensors["last_hidden"]),
-    )
-    return descriptor
-
-
 def read_spooled(path: str | os.PathLike) -> dict:
-    """The tensors of one spool file: input_ids, aux_hidden, last_hidden."""
-    from safetensors.torch import load_file
+    """The tensors of one spool file: input_ids, aux_hidden, last_hidden (a packed file split)."""
+    tensors, _ = spool.read_spool_file(path)
+    return tensors
 
-    return load_file(str(path))
+
+def rows_on_host(logits_output, names: tuple[str, ...]):
+    """({name: host tensor or None}, ready event or None) of a batch's captured rows.
+
+    Under SGLang's overlap scheduler the rows already reached pinned host memory with the
+    batch's other results; otherwise one asynchronous copy per batch (not per request)
+    takes them there, and the spool writer waits for its event, not the scheduler."""
+    cache = logits_output.__dict__.setdefault("_eaglenest_host", {})
+    if names not in cache:
+        tensors = {name: getattr(logits_output, name, None) for name in names}
+        ready = None
+        if any(t is not None and t.is_cuda for t in tensors.values()):
+            import torch
+
+            tensors = {name: t.to("cpu", non_blocking=True) if t is not None else None for name, t in tensors.items()}
+            ready = torch.cuda.Event()
+            ready.record()
+        cache[names] = (tensors, ready)
+    return cache[names]
 
 
 # ---------------------------------------------------------------- settings and identity
@@ -215,7 +229,8 @@ def check_captured_layers(model, hf_layer_ids: list[int]) -> None:
 # ---------------------------------------------------------------- the replaced methods
 
 
-def make_append_prefill_hidden_states(original: Callable, settings: dict, is_output_rank: Callable[[], bool]):
+def make_append_prefill_hidden_states(original: Callable, settings: dict, is_output_rank: Callable[[], bool],
+                                     writer: spool.SpoolWriter | None = None):
     """Replacement for SchedulerBatchResultProcessor._append_prefill_hidden_states (same signature)."""
     spool_dir = settings["spool_dir"]
 
@@ -232,12 +247,12 @@ def make_append_prefill_hidden_states(original: Callable, settings: dict, is_out
         start, end = hidden_state_offset, hidden_state_offset + extend_input_len
         # Every TP rank runs this; only the rank whose output reaches the client writes.
         if store and is_output_rank():
-            last = logits_output.last_hidden_states
-            _spool_descriptor(
-                req, spool_dir,
-                logits_output.hidden_states[start:end] if logits_output.hidden_states is not None else None,
-                last[start:end] if last is not None else None,
-            )
+            host, ready = rows_on_host(logits_output, ("hidden_states", "last_hidden_states"))
+            rows = {
+                "aux_hidden": host["hidden_states"][start:end] if host["hidden_states"] is not None else None,
+                "last_hidden": host["last_hidden_states"][start:end] if host["last_hidden_states"] is not None else None,
+            }
+            _spool_descriptor(req, spool_dir, rows, writer, ready)
         return end
 
     _append_prefill_hidden_states.eaglenest_patch_version = PATCH_VERSION
@@ -261,18 +276,20 @@ def make_configure_capture(original: Callable, settings: dict):
     return configure_aux_hidden_state_capture
 
 
-def _spool_descriptor(req, spool_dir, aux_rows, last_rows) -> None:
-    descriptor = spool_prefill_rows(spool_dir, req.rid, req.origin_input_ids, aux_rows, last_rows)
+def _spool_descriptor(req, spool_dir, rows: dict, writer, ready) -> None:
+    descriptor = spool_prefill_rows(spool_dir, req.rid, req.origin_input_ids, rows, writer, ready)
     if req.customized_info is None:
         req.customized_info = {}
     req.customized_info[SPOOL_KEY] = [descriptor]
 
 
-def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, is_output_rank: Callable[[], bool]):
+def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, is_output_rank: Callable[[], bool],
+                                          writer: spool.SpoolWriter | None = None):
     """sglang 0.5.14's SchedulerBatchResultProcessor._append_prefill_hidden_states (same signature).
 
     Its rows are ``[aux..., last]`` packed by make_hidden_states_to_store_0514, one per
-    prompt token; 0.5.14 itself advances the offset by the prompt length."""
+    prompt token; they are spooled packed (``hidden``) and the client splits them. 0.5.14
+    itself advances the offset by the prompt length."""
     spool_dir, hidden = settings["spool_dir"], settings["hidden_size"]
 
     def _append_prefill_hidden_states(self, *, req, logits_output, hidden_state_offset):
@@ -280,13 +297,12 @@ def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, i
             return original(self, req=req, logits_output=logits_output, hidden_state_offset=hidden_state_offset)
         end = hidden_state_offset + len(req.origin_input_ids)
         if is_output_rank():
+            host, ready = rows_on_host(logits_output, ("hidden_states",))
             # A prefix-cache hit or a chunk computes fewer rows than the prompt has: pass
             # what was computed so that the descriptor says so instead of reading past it.
-            rows = logits_output.hidden_states[hidden_state_offset : hidden_state_offset + req.extend_input_len]
-            if rows.shape[-1] > hidden:
-                _spool_descriptor(req, spool_dir, rows[:, :-hidden], rows[:, -hidden:])
-            else:  # no aux layers captured
-                _spool_descriptor(req, spool_dir, None, rows)
+            rows = host["hidden_states"][hidden_state_offset : hidden_state_offset + req.extend_input_len]
+            packed = {"hidden": rows} if rows.shape[-1] > hidden else {"aux_hidden": None}
+            _spool_descriptor(req, spool_dir, packed, writer, ready)
         return end
 
     _append_prefill_hidden_states.eaglenest_patch_version = PATCH_VERSION
@@ -372,12 +388,15 @@ def apply(settings: dict, in_http_process: bool) -> None:
         parallel = get_parallel()
         return parallel.pp_rank == 0 and parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0
 
+    writer = spool.SpoolWriter(int(settings.get("writer_threads", 4)))
     if installed == "0.5.14":
-        _replace(targets, "append_prefill", installed, lambda f: make_append_prefill_hidden_states_0514(f, settings, is_output_rank))
+        _replace(targets, "append_prefill", installed,
+                 lambda f: make_append_prefill_hidden_states_0514(f, settings, is_output_rank, writer))
         _replace(targets, "hidden_states_to_store", installed, make_hidden_states_to_store_0514)
         _replace(targets, "init_capture", installed, lambda f: make_init_capture_0514(f, settings))
     else:
-        _replace(targets, "append_prefill", installed, lambda f: make_append_prefill_hidden_states(f, settings, is_output_rank))
+        _replace(targets, "append_prefill", installed,
+                 lambda f: make_append_prefill_hidden_states(f, settings, is_output_rank, writer))
         _replace(targets, "request_level_key", installed, make_is_request_level_key)
         _replace(targets, "configure_capture", installed, lambda f: make_configure_capture(f, settings))
     log.info("eaglenest capture: scheduler of sglang %s patched, spooling to %s", installed, settings["spool_dir"])

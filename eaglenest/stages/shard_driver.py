@@ -8,10 +8,11 @@ target's shape, the disk preflight, the conversion to the storage dtype (fp8 qua
 token and layer, on the device that computed the states), the finite check, and the atomic
 write with its header and checksums.
 
-Answers that come in token order stream into :class:`eaglenest.formats.shards.HiddenShardWriter`
-while the backend computes the next ones (through pinned host buffers when they are on a
-GPU); answers in any order are gathered in memory and written at the end. Both writers give
-the same bytes for the same rows (tests hold this).
+Answers stream into :class:`eaglenest.formats.shards.HiddenShardWriter` while the backend
+computes the next ones (through pinned host buffers when they are on a GPU). Answers that
+come in any order (a server's concurrent requests) wait in memory only until the rows
+before them are in, then stream the same way. Every path gives the same bytes for
+the same rows (tests hold this).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class StateRows:
     first_token: int
     aux: torch.Tensor  # [n, A*H], aux layers concatenated in layer-id order
     last: torch.Tensor  # [n, H], the final post-norm hidden state
+    finite: bool | None = None  # None: the driver checks; a server that checked where the rows were says so
 
 
 class HiddenStateBackend(Protocol):
@@ -131,37 +133,6 @@ def preflight(hidden_path: Path, prepared_path: Path, bytes_per_token: int, rese
     return {"missing_shards": missing, "needed_bytes": needed, "free_bytes": free}
 
 
-class _GatheredShard:
-    """A shard's stored rows filled in any order, written in one go at the end. fp8 rows
-    are quantised as they arrive: the scales are per row, so that equals quantising the
-    whole shard at once."""
-
-    def __init__(self, hidden_path: Path, prepared: shards.ShardReader, meta: dict):
-        self.hidden_path, self.prepared, self.meta = hidden_path, prepared, meta
-        hidden, groups, dtype = meta["target_hidden_size"], len(meta["layer_ids"]), meta["dtype"]
-        storage = shards.STORAGE_DTYPES[dtype]
-        tokens = prepared.num_tokens
-        self.tensors = {
-            "aux_hidden": torch.empty(tokens, groups * hidden, dtype=storage),
-            "last_hidden": torch.empty(tokens, hidden, dtype=storage),
-        }
-        if dtype == shards.FP8_DTYPE:
-            self.tensors["aux_hidden_scale"] = torch.empty(tokens, groups, dtype=torch.float32)
-            self.tensors["last_hidden_scale"] = torch.empty(tokens, 1, dtype=torch.float32)
-
-    def put(self, first_token: int, rows: dict[str, torch.Tensor]) -> None:
-        for name, tensor in rows.items():
-            self.tensors[name][first_token : first_token + tensor.shape[0]] = tensor
-
-    def close(self) -> None:
-        scales = {name: self.tensors[name] for name in shards.SCALE_TENSORS.values() if name in self.tensors}
-        aux, last = self.tensors["aux_hidden"], self.tensors["last_hidden"]
-        shards.write_hidden_shard(self.hidden_path, self.prepared, aux, last, self.meta, **scales)
-
-    def abort(self, exc: BaseException) -> None:
-        pass  # nothing on disk yet
-
-
 class _HostStaging:
     """Pinned host buffers that device rows are copied into on a side stream (CUDA only)."""
 
@@ -231,6 +202,32 @@ class _StreamedShard:
         return {"batches": self.answers, "wait_for_disk_s": round(self.waited, 3), "pinned_setup_s": round(self.setup_s, 3)}
 
 
+class _ReorderedShard:
+    """Answers in any order, streamed in token order: an answer waits only for the rows
+    before it, so the disk works while the server computes (a server's requests finish
+    nearly in the order they were sent)."""
+
+    def __init__(self, streamed: _StreamedShard):
+        self.streamed, self.waiting, self.most_waiting = streamed, {}, 0
+
+    def put(self, first_token: int, rows: dict[str, torch.Tensor]) -> None:
+        self.waiting[first_token] = rows
+        self.most_waiting = max(self.most_waiting, len(self.waiting))
+        while self.streamed.writer.rows_written in self.waiting:
+            self.streamed.put(self.streamed.writer.rows_written, self.waiting.pop(self.streamed.writer.rows_written))
+
+    def close(self) -> None:
+        if self.waiting:
+            raise ValueError(f"{self.streamed.writer.path}: rows from tokens {sorted(self.waiting)} never became contiguous")
+        self.streamed.close()
+
+    def abort(self, exc: BaseException) -> None:
+        self.streamed.abort(exc)
+
+    def stats(self) -> dict:
+        return {**self.streamed.stats(), "most_answers_waiting": self.most_waiting}
+
+
 def extract_hidden_shard(
     prepared_path: str | os.PathLike,
     hidden_path: str | os.PathLike,
@@ -267,7 +264,7 @@ def extract_hidden_shard(
         if backend.in_token_order:
             shard = _StreamedShard(hidden_path, prepared, meta, backend.largest_answer(prepared) if on_cuda else None)
         else:
-            shard = _GatheredShard(hidden_path, prepared, meta)
+            shard = _ReorderedShard(_StreamedShard(hidden_path, prepared, meta, None))
         with contextlib.closing(backend.hidden_states(prepared, layer_ids)) as answers:
             while True:
                 if on_cuda:
@@ -276,7 +273,10 @@ def extract_hidden_shard(
                 rows = next(answers, None)
                 if rows is None:
                     break
-                finite &= torch.isfinite(rows.aux).all() & torch.isfinite(rows.last).all()
+                if rows.finite is None:
+                    finite &= torch.isfinite(rows.aux).all() & torch.isfinite(rows.last).all()
+                elif not rows.finite:
+                    finite &= False
                 stored = to_storage(rows.aux, rows.last, dtype, len(layer_ids))
                 if on_cuda:
                     busy_ended = torch.cuda.Event(enable_timing=True)
@@ -295,7 +295,7 @@ def extract_hidden_shard(
     finally:
         progress.close()
     written = time.perf_counter()
-    pipeline = shard.stats() if isinstance(shard, _StreamedShard) else {}
+    pipeline = shard.stats() if isinstance(shard, (_StreamedShard, _ReorderedShard)) else {}
     if busy_events and pipeline:
         torch.cuda.synchronize()
         pipeline["gpu_busy_s"] = round(sum(a.elapsed_time(b) for a, b in busy_events) / 1000, 3)

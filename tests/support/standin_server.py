@@ -3,11 +3,12 @@
 For machines without a GPU (a laptop, CI) and for the tests: it serves
 ``GET /eaglenest/info``, ``GET /health``, ``POST /generate`` and ``POST /v1/chat/completions``
 (for the regeneration stage) exactly as a server
-started by eaglenest.sglang.launch does — same request fields, same
-``meta_info["eaglenest_spool"]`` descriptor, same spool files, written by the same
-function (eaglenest.sglang.patch.spool_prefill_rows) — but runs the target with
-transformers (eaglenest.target.runtime.capture_hidden_states, one sample per request), so its
-tensors equal the transformers backend's.
+started by eaglenest.sglang.launch does — same request fields (one sample or
+a batch of them per ``/generate``), same ``meta_info["eaglenest_spool"]`` descriptor, same
+spool files, written by the same function (eaglenest.sglang.patch.spool_prefill_rows) on
+background threads after the answer (eaglenest.sglang.spool.SpoolWriter) — but runs the
+target with transformers (eaglenest.target.runtime.capture_hidden_states, one sample per
+forward), so its tensors equal the transformers backend's.
 
 Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
 on request N+1 (a server dying mid-shard), ``--delay-s`` answers slowly, ``--drop-rows``
@@ -33,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from eaglenest.target import layer_ids as layer_id_convention
-from eaglenest.sglang import patch as sglang_patch
+from eaglenest.sglang import patch as sglang_patch, spool
 
 
 class StandinModel:
@@ -118,26 +119,32 @@ def make_handler(options, state: dict):
                 os._exit(3)  # a crash: no answer, no cleanup, the port closes
             if options.delay_s:
                 time.sleep(options.delay_s)
-            input_ids = request.get("input_ids")
-            rid = request.get("rid")
-            if not isinstance(input_ids, list) or not input_ids or not isinstance(rid, str):
-                return self._send(400, {"error": {"message": "need input_ids (a list of ints) and rid"}})
+            input_ids, rids = request.get("input_ids"), request.get("rid")
+            batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+            samples = list(zip(input_ids, rids)) if batch and isinstance(rids, list) and len(rids) == len(input_ids) else (
+                [] if batch else [(input_ids, rids)])
+            if not samples or any(not isinstance(ids, list) or not ids or not isinstance(rid, str) for ids, rid in samples):
+                return self._send(400, {"error": {"message": "need input_ids (a list of ints, or of such lists) and rid (one per sample)"}})
+            answers = [self._prefill(ids, rid, request.get("return_hidden_states") is True) for ids, rid in samples]
+            return self._send(200, answers if batch else answers[0])
+
+        def _prefill(self, input_ids, rid, return_hidden_states):
+            """One sample of a /generate request, as the patched server answers it."""
             if options.wrong_ids:  # a server that re-tokenized: same length, another first token
                 input_ids = [(input_ids[0] + 1) % state["model"].model.config.vocab_size, *input_ids[1:]]
             aux, last = state["model"].prefill(input_ids)
             meta = {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": 1,
                     "finish_reason": {"type": "length", "length": 1}}
-            if request.get("return_hidden_states") is True and options.impersonate is None:
-                if options.drop_rows:
+            if return_hidden_states and options.impersonate is None:
+                spooled_ids = input_ids
+                if options.drop_rows:  # a server that lost rows and spooled them anyway: the client must notice
                     aux, last = aux[: -options.drop_rows], last[: -options.drop_rows]
-                    # What a prefix-cache hit looks like: fewer rows, file written anyway.
-                    descriptor = sglang_patch.spool_prefill_rows(
-                        options.spool_dir, rid, input_ids[: len(aux)], aux, last
-                    )
-                else:
-                    descriptor = sglang_patch.spool_prefill_rows(options.spool_dir, rid, input_ids, aux, last)
-                meta[sglang_patch.SPOOL_KEY] = [descriptor]
-            return self._send(200, {"text": "", "output_ids": [0], "meta_info": meta})
+                    spooled_ids = input_ids[: len(aux)]
+                # Written on background threads after the answer, as the patched server does.
+                meta[sglang_patch.SPOOL_KEY] = [sglang_patch.spool_prefill_rows(
+                    options.spool_dir, rid, spooled_ids, {"aux_hidden": aux, "last_hidden": last}, state["writer"]
+                )]
+            return {"text": "", "output_ids": [0], "meta_info": meta}
 
         def _chat(self, request):
             """OpenAI chat completions, as SGLang serves them, for the regeneration stage."""
@@ -184,7 +191,8 @@ def chat_generator(options):
 
 
 def serve(options) -> None:
-    state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0}
+    state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
+             "writer": spool.SpoolWriter(2)}
     state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir)
     server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
     server.daemon_threads = True
