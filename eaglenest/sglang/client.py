@@ -128,13 +128,14 @@ def check_server(
 class _ShardRequests:
     """Sends one shard's samples, many to a request, and gathers their spooled tensors."""
 
-    def __init__(self, url, spool_dir, shard_tag, layer_ids, hidden_size, timeout_s, retries, backoff_s,
+    def __init__(self, url, spool_dir, shard_tag, layer_ids, hidden_size, storage_dtype, timeout_s, retries, backoff_s,
                  max_consecutive_failures, spool_timeout_s):
         self.url = url.rstrip("/")
         self.spool_dir = Path(spool_dir).resolve()
         self.shard_tag = shard_tag
         self.hidden_size = hidden_size
         self.widths = (len(layer_ids) * hidden_size, hidden_size)
+        self.num_aux_layers, self.storage_dtype = len(layer_ids), storage_dtype
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -175,7 +176,10 @@ class _ShardRequests:
                 )
 
     def fetch(self, samples: list[tuple[int, list[int]]]):
-        """[(index, aux [n, A*H], last [n, H], finite)] of (index, token ids) samples, in the server's dtype."""
+        """[(index, rows as the shard stores them, finite)] of (index, token ids) samples.
+
+        The conversion to the storage dtype happens here, on the request's own thread, so
+        that the requests in flight convert side by side."""
         try:
             return self._fetch(samples)
         except SglangServerError as err:
@@ -259,7 +263,8 @@ class _ShardRequests:
             )
         if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
             raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
-        return index, aux, last, metadata.get("finite") == "1"
+        stored = shard_driver.to_storage(aux.contiguous(), last.contiguous(), self.storage_dtype, self.num_aux_layers)
+        return index, stored, metadata.get("finite") == "1"
 
     def remove_leftovers(self) -> None:
         """Spool files of this shard that a late answer may still write after a failure."""
@@ -305,8 +310,8 @@ class ServerBackend:
 
     def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
                  retries, backoff_s, max_consecutive_failures, samples_per_request=64, tokens_per_request=131072,
-                 spool_timeout_s=120.0):
-        self.url, self.shard_tag, self.target_name = url, shard_tag, target_name
+                 spool_timeout_s=120.0, dtype="bfloat16"):
+        self.url, self.shard_tag, self.target_name, self.dtype = url, shard_tag, target_name, dtype
         self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
         self.samples_per_request, self.tokens_per_request = samples_per_request, tokens_per_request
         self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures, spool_timeout_s)
@@ -318,7 +323,8 @@ class ServerBackend:
         info = check_server(self.url, self.target_name, layer_ids, self.hidden_size)
         log.info("server %s: %s", self.url, info)
         spool_dir = info["spool_dir"] if self.spool_dir is None else self.spool_dir
-        self.requests = _ShardRequests(self.url, spool_dir, self.shard_tag, layer_ids, self.hidden_size, *self.retry_policy)
+        self.requests = _ShardRequests(self.url, spool_dir, self.shard_tag, layer_ids, self.hidden_size, self.dtype,
+                                       *self.retry_policy)
 
     def largest_answer(self, prepared: shards.ShardReader) -> int:
         return max(prepared.token_counts, default=0)
@@ -340,8 +346,9 @@ class ServerBackend:
             while pending:
                 done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                 for future in done:
-                    for index, aux, last, finite in future.result():  # raises the first failure
-                        yield shard_driver.StateRows(offsets[index], aux, last, finite=finite)
+                    for index, stored, finite in future.result():  # raises the first failure
+                        yield shard_driver.StateRows(offsets[index], stored["aux_hidden"], stored["last_hidden"],
+                                                     finite=finite, stored=stored)
         except BaseException as err:
             requests.stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -380,7 +387,7 @@ def extract_shard_via_server(
     shard_tag = Path(hidden_path).name.split(".")[0]
     backend = ServerBackend(url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
                             retries, backoff_s, max_consecutive_failures, samples_per_request, tokens_per_request,
-                            spool_timeout_s)
+                            spool_timeout_s, dtype)
     result = shard_driver.extract_hidden_shard(
         prepared_path, hidden_path, backend, target_name, layer_ids, dtype, check_disk, disk_reserve_bytes, log_stream
     )

@@ -139,13 +139,13 @@ class SpoolWriter:
         return self.pool.submit(self._write, Path(path), tensors, dict(metadata), ready)
 
     def _write(self, path: Path, tensors: dict, metadata: dict, ready) -> None:
-        import torch
+        from eaglenest.formats import shards
 
         try:
             if ready is not None:
                 ready.synchronize()
             rows = [tensor for name, tensor in tensors.items() if name != "input_ids"]
-            metadata["finite"] = "1" if all(bool(torch.isfinite(t).all()) for t in rows) else "0"
+            metadata["finite"] = "1" if all(shards.all_finite(t) for t in rows) else "0"
             write_spool_file(path, tensors, metadata)
         except BaseException as exc:  # the client must learn it, not wait for a file
             try:

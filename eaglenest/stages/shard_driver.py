@@ -49,6 +49,8 @@ class StateRows:
     aux: torch.Tensor  # [n, A*H], aux layers concatenated in layer-id order
     last: torch.Tensor  # [n, H], the final post-norm hidden state
     finite: bool | None = None  # None: the driver checks; a server that checked where the rows were says so
+    # The rows already as to_storage makes them, where a backend converts on its own threads.
+    stored: dict[str, torch.Tensor] | None = None
 
 
 class HiddenStateBackend(Protocol):
@@ -277,7 +279,7 @@ def extract_hidden_shard(
                     finite &= torch.isfinite(rows.aux).all() & torch.isfinite(rows.last).all()
                 elif not rows.finite:
                     finite &= False
-                stored = to_storage(rows.aux, rows.last, dtype, len(layer_ids))
+                stored = rows.stored if rows.stored is not None else to_storage(rows.aux, rows.last, dtype, len(layer_ids))
                 if on_cuda:
                     busy_ended = torch.cuda.Event(enable_timing=True)
                     busy_ended.record()
