@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
+from conftest import REPO, planned_jobs, run_snakemake, synthetic_conversations, tiny_workflow_config
 from eaglenest.stages import eval_sets, evaluate
 from support.eval_chats import user_chats
 
@@ -225,6 +225,17 @@ def test_a_user_set_gets_its_own_rows_and_its_bad_records_are_counted(evaluated_
     assert report["kept"] == 4 and report["rejected"] == {
         "duplicate_id": 1, "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}
     assert "eaglenest: eval set support: kept 4 of 8 records; rejected 4" in result.stderr
+
+
+def test_adding_a_user_set_plans_only_its_own_jobs_and_the_summary(evaluated_workdir, tmp_path):
+    workdir, config, _ = evaluated_workdir
+    assert planned_jobs(workdir, config, "results/tiny/evaluate/summary.json") == {}
+    values = yaml.safe_load(config.read_text())
+    values["evaluate"]["sets"].append({"name": "more", "path": "data/support_chats.jsonl"})
+    more = tmp_path / "more.yaml"
+    more.write_text(yaml.safe_dump(values, sort_keys=False))
+    assert planned_jobs(workdir, more, "results/tiny/evaluate/summary.json") == {
+        "evaluate_prompts": 1, "evaluate_drafting": 4, "evaluate_merge": 2, "evaluate_summary": 1}
 
 
 def test_a_held_out_set_measures_the_runs_own_validation_conversations(evaluated_workdir):
