@@ -13,7 +13,8 @@ killed job belonged to. Paths are relative to the workflow's working directory (
     results/<run>/consolidated/              consolidate: index.json, draft_vocab.safetensors, split.json
     results/<run>/train/                     train: drafter/, training_summary.json, checkpoints/
     results/<run>/export/                    export: sglang/, vllm/, export_report.json
-    results/<run>/evaluate/                  evaluate: <set>/<drafting>/metrics.json, summary.json
+    results/<run>/evaluate/                  evaluate: <set>/<drafting>/metrics.json, summary.json,
+                                             <set>/prompts.jsonl, prompt_report.json (user sets)
     logs/<run>/                              one log per job
     logs/<run>/benchmarks/                   Snakemake's benchmark: files (seconds, memory per job)
 
@@ -145,6 +146,14 @@ class RunLayout:
 
     def evaluation_path(self, *parts: str) -> str:
         return self.run_path("evaluate", *parts)
+
+    def eval_prompts(self, eval_set: str) -> str:
+        """A user eval set's prompts, ready for the evaluation jobs (rule evaluate_prompts)."""
+        return self.evaluation_path(eval_set, "prompts.jsonl")
+
+    def eval_prompt_report(self, eval_set: str) -> str:
+        """What reading a user eval set kept and rejected, by reason."""
+        return self.evaluation_path(eval_set, "prompt_report.json")
 
 
 def eval_set_path(eval_set: str) -> str:

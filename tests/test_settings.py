@@ -3,6 +3,7 @@ planning without torch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import yaml
 
 from conftest import DEFAULT_CONFIG, REPO
 from eaglenest import layout, settings
-from eaglenest.stages import regenerate
+from eaglenest.stages import eval_sets, regenerate
 from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch
 
 
@@ -66,3 +67,14 @@ def test_planning_a_run_imports_no_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "eaglenest plan for run" in result.stderr
+
+
+def test_the_demo_configs_commented_eval_set_entries_are_valid():
+    """config/config.yaml shows user eval sets as comments: uncommented, they must validate."""
+    text = DEFAULT_CONFIG.read_text()
+    examples = [yaml.safe_load(line)[0] for line in re.findall(r"^\s*# (- \{name: .*\})$", text, re.M)]
+    assert [sorted(entry) for entry in examples] == [["name", "path"], ["name", "seed", "split"]]
+    config = yaml.safe_load(text)
+    config["evaluate"]["sets"] += examples
+    assert settings.validate_with_defaults(config) == []
+    assert eval_sets.set_names(config["evaluate"]["sets"])[2:] == [entry["name"] for entry in examples]

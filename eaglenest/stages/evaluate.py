@@ -21,6 +21,8 @@ Eval sets (held out from training by construction: the drafter trains on ShareGP
   prompts already span writing, roleplay, reasoning, math, coding, ...
 - ``humaneval``: HumanEval.jsonl.gz (164 Python problems); the function signature and
   docstring are the user turn, with a one-line instruction.
+- any other name: the user's own chats or a held-out slice of the run's data, read into a
+  prompts file by eaglenest.stages.eval_sets.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ import time
 from pathlib import Path
 
 from eaglenest.formats import atomic
+from eaglenest.stages import eval_sets
 
 log = logging.getLogger(__name__)
 
-EVAL_SETS = ("mt_bench", "humaneval")
+EVAL_SETS = eval_sets.BUILTIN_SETS
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
 
 
@@ -72,15 +75,17 @@ def read_humaneval(path: str | os.PathLike) -> list[dict]:
 
 
 def load_prompts(eval_set: str, path: str | os.PathLike, count: int | None) -> list[dict]:
-    """The first ``count`` prompts of the set, or all of them when ``count`` is None."""
+    """The first ``count`` prompts of the set, or all of them when ``count`` is None.
+
+    ``path``: a built-in set's file, or the prompts.jsonl that rule evaluate_prompts wrote for
+    any other set (eaglenest.stages.eval_sets)."""
     readers = {"mt_bench": read_mt_bench, "humaneval": read_humaneval}
-    if eval_set not in readers:
-        raise ValueError(f"unknown eval set {eval_set!r}; known: {sorted(readers)}")
-    prompts = readers[eval_set](path)
+    prompts = readers.get(eval_set, eval_sets.read_prompts)(path)
     if count is None:
         return prompts
     if count > len(prompts):
-        raise ValueError(f"{eval_set} has {len(prompts)} prompts, {count} asked for")
+        hint = "" if eval_set in readers else " (its entry in evaluate.sets may set num_prompts, null = all)"
+        raise ValueError(f"{eval_set} has {len(prompts)} prompts, {count} asked for{hint}")
     return prompts[:count]
 
 

@@ -61,14 +61,14 @@ class IngestReport:
             "repaired": dict(sorted(self.repaired.items())),
         }
 
-    def console_summary(self) -> str | None:
+    def console_summary(self, stage: str = "ingest") -> str | None:
         """One line for the Snakemake console when anything was rejected, capped or cut off;
-        None when every record was kept."""
+        None when every record was kept. ``stage`` begins the line (an eval set's name)."""
         cut = [note["name"] for note in self.files if note.get("truncated")]
         if not (self.rejected or self.capped or cut):
             return None
         reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.rejected.items()))
-        parts = [f"ingest: kept {self.kept} of {self.records_read} records"]
+        parts = [f"{stage}: kept {self.kept} of {self.records_read} records"]
         if self.rejected:
             parts.append(f"rejected {sum(self.rejected.values())} ({reasons})")
         if self.capped:
@@ -193,7 +193,7 @@ def iter_source_records(path: Path, file_note: dict) -> Iterator[object]:
     return iter_json_array(path, file_note)
 
 
-def _content_hash(messages: list[dict]) -> str:
+def content_hash(messages: list[dict]) -> str:
     blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -216,8 +216,13 @@ def text_of(content: object) -> str:
     return "\n".join(texts)
 
 
-def normalise(record: object, leading_assistant: str) -> tuple[str | None, list[dict], list[str]]:
-    """Return (record id or None, messages, repairs) or raise BadRecord."""
+def normalise(
+    record: object, leading_assistant: str, require_assistant: bool = True
+) -> tuple[str | None, list[dict], list[str]]:
+    """Return (record id or None, messages, repairs) or raise BadRecord.
+
+    ``require_assistant``: a training conversation needs an assistant turn to learn from; an
+    eval prompt (eaglenest.stages.eval_sets) does not."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -257,7 +262,7 @@ def normalise(record: object, leading_assistant: str) -> tuple[str | None, list[
     for previous, current in zip(dialog, dialog[1:]):
         if previous["role"] == current["role"]:
             raise BadRecord("roles_not_alternating")
-    if not any(m["role"] == "assistant" for m in dialog):
+    if require_assistant and not any(m["role"] == "assistant" for m in dialog):
         raise BadRecord("no_assistant_turn")
     record_id = record.get("id")
     if record_id is not None and not isinstance(record_id, (str, int)):
@@ -296,7 +301,7 @@ def ingest(
             except BadRecord as bad:
                 report.rejected[bad.reason] += 1
                 continue
-            content_key = _content_hash(messages)
+            content_key = content_hash(messages)
             sample_id = f"{source['name']}:{record_id if record_id is not None else content_key}"
             if sample_id in seen_ids:
                 report.rejected["duplicate_id"] += 1
