@@ -121,6 +121,10 @@ class RunLayout:
     def server_record(self, block: str) -> str:
         return self.run_path("sglang", f"block-{block}.json")
 
+    def regenerate_server_record(self) -> str:
+        """The service record of the one server all regenerate jobs use (rule regenerate_server)."""
+        return self.run_path("sglang", "regenerate.json")
+
     # ---- later stages ----------------------------------------------------------------------
 
     def consolidated(self, name: str) -> str:

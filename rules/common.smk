@@ -108,6 +108,48 @@ def extract_gpus():
     return 0 if SERVER_PER_BLOCK else config["extract"]["gpus_per_job"]
 
 
+# regenerate.backend openai with regenerate.start_server: one SGLang server, started by the
+# workflow in serve mode, answers every regenerate job (rule regenerate_server); a service
+# in one group with them, like an extraction block's.
+REGENERATE_SERVER = (
+    plan.regeneration(config)
+    and config["regenerate"]["backend"] == "openai"
+    and config["regenerate"]["start_server"]
+)
+REGENERATE_GROUP = "regenerate_node" if REGENERATE_SERVER else None
+
+
+def regenerate_server(wildcards):
+    """A regenerate job's server as a named input, or none (see block_server)."""
+    if not REGENERATE_SERVER:
+        return {}
+    return {"server": service(LAYOUT.regenerate_server_record())}
+
+
+def regenerate_threads():
+    # A client of the server mostly waits on it (see extract_threads).
+    return 0 if REGENERATE_SERVER else config["regenerate"]["threads"]
+
+
+def regenerate_gpus():
+    # The server job holds the GPUs its clients use.
+    return 0 if REGENERATE_SERVER else config["regenerate"]["gpus_per_job"]
+
+
+# Rules sglang_server and regenerate_server: the launcher as a service. touch: the consumers
+# fail unless the service file exists within --latency-wait, long before a model is loaded;
+# the launcher then writes its state into it. exec: Snakemake's SIGTERM must reach the
+# launcher, which stops the server. PYTHONPATH: the sglang env does not install eaglenest
+# (envs/sglang.yaml).
+LAUNCHER_SHELL = (
+    "touch {output:q} && "
+    "PYTHONPATH={params.repo:q}${{PYTHONPATH:+:$PYTHONPATH}} "
+    "exec {params.python:q} -m eaglenest.sglang.launch --mode {params.mode} --service-file {output:q} "
+    "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "
+    "> {log.launcher:q} 2>&1"
+)
+
+
 def extract_threads():
     # A client of its block's server mostly waits on it. Snakemake adds up the threads of
     # a service and all its consumers and refuses a group above --cores, even in a dry
@@ -131,6 +173,8 @@ def untracked_param(value):
 
 def server_state_dir(wildcards, output):
     # Of the output too, like untracked_param: where the logs go is no reason to rerun.
+    if "block" not in wildcards.keys():
+        return log_path("sglang", "regenerate")
     return log_path("sglang", f"block-{wildcards.block}")
 
 

@@ -69,6 +69,7 @@ rule ingest:
 # batch sizes, URL and concurrency only change speed and are read by the script.
 rule regenerate:
     input:
+        unpack(regenerate_server),
         conversations=run_path("data", "conversations.jsonl"),
         target=target_model_input(),
     output:
@@ -78,17 +79,46 @@ rule regenerate:
         log_path("regenerate", "shard-{shard}.log"),
     benchmark:
         benchmark_path("regenerate", "shard-{shard}.tsv")
+    group:
+        REGENERATE_GROUP
     conda:
         "../envs/eaglenest.yaml"
-    threads: config["regenerate"]["threads"]
+    threads: regenerate_threads()
     resources:
-        gpu=config["regenerate"]["gpus_per_job"],
+        gpu=regenerate_gpus(),
     params:
         target_name=config["target"]["name"],
         num_shards=NUM_SHARDS,
         max_len=config["data"]["max_len"],
     script:
         "../scripts/regenerate.py"
+
+
+# The SGLang server of the regenerate jobs (regenerate.start_server): the launcher of rule
+# sglang_server in serve mode (no capture; SGLang's own radix cache and CUDA graphs), started
+# with its consumers and stopped when the last of them is done. A rerun whose regenerated
+# shards all exist starts none.
+rule regenerate_server:
+    output:
+        service(LAYOUT.regenerate_server_record()),
+    log:
+        launcher=log_path("sglang", "regenerate", "launcher.log"),
+        server=log_path("sglang", "regenerate", "server.log"),
+    group:
+        "regenerate_node"
+    conda:
+        "../envs/sglang.yaml"
+    threads: 1
+    resources:
+        gpu=config["target"]["tensor_parallel"],
+    params:
+        state_dir=server_state_dir,
+        config_json=untracked_param(server_launch_config()),
+        python=untracked_param(launcher_python()),
+        repo=untracked_param(workflow.basedir),
+        mode=untracked_param("serve"),
+    shell:
+        LAUNCHER_SHELL
 
 
 rule regenerate_report:

@@ -59,13 +59,6 @@ rule sglang_server:
         config_json=untracked_param(server_launch_config()),
         python=untracked_param(launcher_python()),
         repo=untracked_param(workflow.basedir),
-    # touch: the consumers fail unless the service file exists within --latency-wait,
-    # long before a model is loaded; the launcher then writes its state into it.
-    # exec: Snakemake's SIGTERM must reach the launcher, which stops the server.
-    # PYTHONPATH: the sglang env does not install eaglenest (envs/sglang.yaml).
+        mode=untracked_param("capture"),
     shell:
-        "touch {output:q} && "
-        "PYTHONPATH={params.repo:q}${{PYTHONPATH:+:$PYTHONPATH}} "
-        "exec {params.python:q} -m eaglenest.sglang.launch --service-file {output:q} "
-        "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "
-        "> {log.launcher:q} 2>&1"
+        LAUNCHER_SHELL

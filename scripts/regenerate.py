@@ -6,12 +6,21 @@ sizes, URL and concurrency come from the config and only change speed.
 import contextlib
 import logging
 
+import dataclasses
+
 from eaglenest.ops import gpu_slots, joblog
+from eaglenest.sglang import launch as sglang_launch
 from eaglenest.stages import regenerate
 
 joblog.to_file(snakemake.log[0])
 section = snakemake.config["regenerate"]
 settings = regenerate.Settings.from_config(section)
+if "server" in snakemake.input.keys():
+    # The server rule regenerate_server started beside this job: wait until it is loaded.
+    timeout_s = snakemake.config["extract"]["sglang"]["startup_timeout_s"]
+    record = sglang_launch.wait_for_service(snakemake.input.server, timeout_s)
+    settings = dataclasses.replace(settings, url=record["url"])
+    logging.info("regeneration server ready at %s (pid %s)", record["url"], record["server_pid"])
 gpus = int(snakemake.resources.get("gpu", 0) or 0)
 # Same slot pool as extraction: Snakemake counts GPUs but does not pick one.
 slot = gpu_slots.gpu_slots(gpus) if gpus > 0 and settings.backend == "transformers" else contextlib.nullcontext()

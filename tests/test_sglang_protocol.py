@@ -171,6 +171,14 @@ def test_client_refuses_a_patched_server_with_other_layers_or_target(standin, pr
         sglang_client.check_server(url, "Kimi-K2.5", [1, 3, 4], HIDDEN)
 
 
+def test_client_refuses_a_server_started_to_generate(standin, prepared_shard, tmp_path):
+    _, url, spool = standin("--mode", "serve")
+    hidden = tmp_path / "hidden" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match=r"mode: server has 'serve', config wants 'capture'"):
+        sglang_client.extract_shard_via_server(prepared_shard, hidden, url, **client_kwargs(spool))
+    assert_no_shard_left(hidden.parent)
+
+
 def test_client_names_the_url_when_no_server_listens(prepared_shard, tmp_path):
     with pytest.raises(sglang_client.SglangServerError, match=r"no server answers at http://127.0.0.1:9"):
         sglang_client.check_server("http://127.0.0.1:9", TARGET, LAYERS, HIDDEN)

@@ -291,3 +291,38 @@ def test_shard_jobs_learn_at_once_why_their_server_did_not_start(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_mode(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    spool = tmp_path / "spool"  # marks this test's server processes
+    configfile = tiny_workflow_config(
+        workdir, tiny_llama, conversations,
+        data={"max_conversations": 20, "samples_per_shard": 10},
+        extract={"sglang": {"standin": True, "spool_dir": str(spool)}},
+        regenerate={"enabled": True, "backend": "openai", "max_new_tokens": 8, "concurrency": 2, "temperature": 0.8,
+                    "top_p": 0.95},
+    )
+    report_path = workdir / "results" / "tiny" / "regenerated"
+    jobs = planned_jobs(workdir, configfile, "regenerate_report")
+    assert jobs["regenerate_server"] == 1 and jobs["regenerate"] == 2, jobs
+    run_snakemake(workdir, configfile, "--cores", "2", "regenerate_report")
+
+    (report_file,) = report_path.rglob("regenerate_report.json")
+    report = json.loads(report_file.read_text())
+    assert report["regenerated"] > 0 and report["failed"] == 0, report
+    assert report["regenerated"] + report["beyond_max_len"] == report["turns"], report  # every turn accounted for
+    logs = workdir / "logs" / "tiny"
+    server = json.loads((logs / "sglang" / "regenerate" / "server.json").read_text())
+    # A server that generates: its identity says so, and no extract job would take it for a capture server.
+    assert server["info"]["mode"] == "serve" and server["info"]["target"] == "tiny-llama"
+    launcher_log = (logs / "sglang" / "regenerate" / "launcher.log").read_text()
+    assert launcher_log.count("ready: ") == 1 and "stopped: " in launcher_log, launcher_log
+    for shard in ("00000", "00001"):
+        log = (logs / "regenerate" / f"shard-{shard}.log").read_text()
+        assert f"regeneration server ready at {server['url']} " in log, log
+    assert_no_server_left(spool, [server])
+    # A rerun with every regenerated shard in place starts no server.
+    assert planned_jobs(workdir, configfile, "regenerate_report") == {}

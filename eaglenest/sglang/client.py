@@ -98,7 +98,8 @@ def identify_server(url: str, timeout: float = 10.0) -> dict:
 
 
 def check_server(
-    url: str, target_name: str, layer_ids: list[int], hidden_size: int, timeout: float = 10.0, launch_token: str | None = None
+    url: str, target_name: str, layer_ids: list[int], hidden_size: int, timeout: float = 10.0, launch_token: str | None = None,
+    mode: str = "capture",
 ) -> dict:
     """Refuse a patched server that serves another target, other layers or another patch version;
     with ``launch_token``, also one that another launcher started (one answering on the port
@@ -114,6 +115,7 @@ def check_server(
         "target": target_name,
         "layer_ids": list(layer_ids),  # HF convention on both sides
         "hidden_size": hidden_size,
+        "mode": mode,  # a server started to generate (regenerate stage) captures nothing
     }
     wrong = {key: (info.get(key), value) for key, value in expected.items() if info.get(key) != value}
     if wrong:

@@ -80,8 +80,16 @@ def model_architecture(model_path: str | os.PathLike) -> str:
     return architectures[0]
 
 
-def capture_settings(config: dict) -> dict:
-    """What the patch needs to know, in HF convention plus the ids SGLang is given."""
+MODES = ("capture", "serve")
+
+
+def capture_settings(config: dict, mode: str = "capture") -> dict:
+    """What the patch needs to know, in HF convention plus the ids SGLang is given.
+
+    ``mode`` serve: the same server identity (``/eaglenest/info``, the launch token) for a
+    server that generates (the regenerate stage's chat completions) and captures nothing."""
+    if mode not in MODES:
+        raise ValueError(f"launcher mode {mode!r}: use one of {MODES}")
     from eaglenest import plan
 
     settings = sglang_settings(config)
@@ -98,6 +106,7 @@ def capture_settings(config: dict) -> dict:
         "sglang_layer_ids": layer_id_convention.hf_to_sglang(hf_ids, architecture),
         "tensor_parallel": target.get("tensor_parallel", 1),
         "writer_threads": settings["writer_threads"],
+        "mode": mode,
     }
 
 
@@ -107,6 +116,19 @@ def launch_command(
 ) -> list[str]:
     settings = sglang_settings(config)
     address = urllib.parse.urlsplit(url or settings["url"])
+    server = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", str(config["target"]["path"]),
+        "--served-model-name", config["target"]["name"],
+        "--host", address.hostname or "127.0.0.1",
+        "--port", str(address.port or 30000),
+        "--tp-size", str(capture["tensor_parallel"]),
+    ]
+    dtype = [] if "--dtype" in map(str, settings["extra_args"]) else ["--dtype", "bfloat16"]
+    if capture.get("mode") == "serve":
+        # Generation as SGLang serves it by default: the radix cache reuses a conversation's
+        # earlier turns, chunked prefill and CUDA graphs as they come.
+        return [*server, *dtype, *map(str, settings["extra_args"])]
     if sglang_version == "0.5.14":
         # No draft-less aux capture there: the patch sets the capture layers itself
         # (EAGLENEST_CAPTURE), and return_hidden_states needs the server-wide switch.
@@ -118,12 +140,7 @@ def launch_command(
             "--return-aux-hidden-state-layer-ids", *map(str, capture["sglang_layer_ids"]),
         ]
     return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", str(config["target"]["path"]),
-        "--served-model-name", config["target"]["name"],
-        "--host", address.hostname or "127.0.0.1",
-        "--port", str(address.port or 30000),
-        "--tp-size", str(capture["tensor_parallel"]),
+        *server,
         "--disable-radix-cache",
         # Chunked prefill off (a prompt's rows come from one forward); prefill batches of
         # prefill_tokens run as CUDA graphs, which SGLang sizes from the chunk size otherwise.
@@ -131,7 +148,7 @@ def launch_command(
         "--max-prefill-tokens", str(settings["prefill_tokens"]),
         "--cuda-graph-max-bs-prefill", str(settings["prefill_tokens"]),
         *capture_flags,
-        *([] if "--dtype" in map(str, settings["extra_args"]) else ["--dtype", "bfloat16"]),
+        *dtype,
         *map(str, settings["extra_args"]),
     ]
 
@@ -247,7 +264,7 @@ def wait_until_ready(url: str, process: subprocess.Popen, capture: dict, timeout
         try:
             return sglang_client.check_server(
                 url, capture["target"], capture["layer_ids"], capture["hidden_size"],
-                launch_token=capture.get("launch_token"),
+                launch_token=capture.get("launch_token"), mode=capture.get("mode", "capture"),
             )
         except sglang_client.SglangServerError as err:
             last_error = str(err)
@@ -369,6 +386,7 @@ def serve(
     service_file: str | os.PathLike | None = None,
     gpus: int = 0,
     repick_port: bool = False,
+    mode: str = "capture",
 ) -> int:
     """Start the server, wait for it, then stay in the foreground until it exits or we are stopped.
 
@@ -380,7 +398,7 @@ def serve(
     settings = sglang_settings(config)
     # A token per start, answered by /eaglenest/info: a server that another launcher
     # started on the same port is never taken for this one.
-    capture = {**capture_settings(config), "launch_token": secrets.token_hex(8)}
+    capture = {**capture_settings(config, mode), "launch_token": secrets.token_hex(8)}
     url = url or settings["url"]
     state_dir.mkdir(parents=True, exist_ok=True)
     Path(capture["spool_dir"]).mkdir(parents=True, exist_ok=True)
@@ -473,12 +491,14 @@ def main(argv=None) -> int:
     parser.add_argument("--state-dir", default=None, help="server log, plugin record, server.json (default logs/<run>/sglang)")
     parser.add_argument("--service-file", default=None, help="run as the workflow's service: publish state here, pick a free port")
     parser.add_argument("--print-command", action="store_true", help="print the server command and settings, start nothing")
+    parser.add_argument("--mode", choices=MODES, default="capture",
+                        help="capture: hidden states for extraction (default); serve: generation for the regenerate stage")
     options = parser.parse_args(argv)
     config = json.loads(options.config_json) if options.config_json else yaml.safe_load(Path(options.configfile).read_text())
     state_dir = Path(options.state_dir or Path("logs") / config["run"] / "sglang")
     try:
         settings = sglang_settings(config)
-        capture = capture_settings(config)
+        capture = capture_settings(config, options.mode)
         url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
         if settings["standin"]:
             command_for = functools.partial(standin_command, capture)
@@ -500,7 +520,7 @@ def main(argv=None) -> int:
     gpus = capture["tensor_parallel"] if options.service_file and not settings["standin"] else 0
     return serve(
         config, state_dir, command_for=command_for, url=url, service_file=options.service_file, gpus=gpus,
-        repick_port=bool(options.service_file),
+        repick_port=bool(options.service_file), mode=options.mode,
     )
 
 

@@ -206,6 +206,7 @@ def server_info(settings: dict, sglang_version: str) -> dict:
         "layer_ids": settings["layer_ids"],
         "sglang_layer_ids": settings["sglang_layer_ids"],
         "tensor_parallel": settings.get("tensor_parallel", 1),
+        "mode": settings.get("mode", "capture"),
         "spool_dir": settings["spool_dir"],
         # Set per start by the launcher: which server answers on a port, not only what it serves.
         "launch_token": settings.get("launch_token"),
@@ -382,6 +383,9 @@ def apply(settings: dict, in_http_process: bool) -> None:
         info = server_info(settings, installed)
         getattr(owner, name).add_api_route(INFO_ROUTE, lambda: info, methods=["GET"])
         log.info("eaglenest capture: %s added (patch %s)", INFO_ROUTE, PATCH_VERSION)
+        return
+    if settings.get("mode", "capture") == "serve":  # a generating server: identity only, scheduler as shipped
+        log.info("eaglenest capture: serve mode, scheduler of sglang %s left as it is", installed)
         return
     owner, name = _resolve(*targets["parallel"], installed)
     get_parallel = getattr(owner, name)

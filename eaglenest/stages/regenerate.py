@@ -67,6 +67,7 @@ class Settings:
     batch_rows: int
     tokens_per_batch: int
     # openai backend
+    start_server: bool
     url: str
     model: str | None
     concurrency: int

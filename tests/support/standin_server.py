@@ -40,7 +40,7 @@ from eaglenest.sglang import patch as sglang_patch, spool
 class StandinModel:
     """The target and the settings the patched server would have been launched with."""
 
-    def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str):
+    def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str, mode: str | None = None):
         import torch
 
         from eaglenest.target import runtime as target_runtime
@@ -63,6 +63,7 @@ class StandinModel:
             "tensor_parallel": 1,
             # What the launcher put in the capture settings, as the patch reads it.
             "launch_token": (sglang_patch.settings_from_env() or {}).get("launch_token"),
+            "mode": mode or (sglang_patch.settings_from_env() or {}).get("mode", "capture"),
         }
 
     def prefill(self, input_ids: list[int]):
@@ -193,7 +194,7 @@ def chat_generator(options):
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
              "writer": spool.SpoolWriter(2)}
-    state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir)
+    state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir, options.mode)
     server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
     server.daemon_threads = True
     port = server.server_address[1]
@@ -221,6 +222,8 @@ def parse_args(argv=None):
     parser.add_argument("--impersonate", choices=["vllm", "sglang"], default=None)
     parser.add_argument("--chat-fail-first", type=int, default=0, help="answer the first N chat requests with 503")
     parser.add_argument("--chat-fail-containing", default=None, help="answer 500 to chat requests whose user turns contain this text")
+    parser.add_argument("--mode", choices=["capture", "serve"], default=None,
+                        help="what /eaglenest/info says the server was started for (default: the launcher's settings, else capture)")
     parser.add_argument("--verbose", action="store_true")
     options = parser.parse_args(argv)
     options.layer_ids = options.layer_ids or None
