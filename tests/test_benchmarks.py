@@ -227,3 +227,49 @@ def test_loader_speed_times_the_loader_beside_a_baseline_checkout_with_the_same_
     (result,) = json.loads(out.read_text())["results"]
     assert result["same_batches"] and result["batches_timed"] == 2
     assert result["eaglenest"]["median_ms"] > 0 and result["baseline"]["median_ms"] > 0
+
+
+def test_sglang_engine_pieces_that_need_no_server_run_on_cpu(tmp_path, tiny_llama, capsys):
+    """benchmarks/sglang_engine.py without SGLang: the random target, the shard subset, the
+    disk ceiling, the shard comparison and the summary against the tighter ceiling."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_engine
+    import torch
+
+    from eaglenest.formats import shards
+    from eaglenest.stages import extract
+
+    target = tmp_path / "random"
+    assert sglang_engine.main(["random-target", "--config-dir", str(tiny_llama), "--out", str(target)]) == 0
+    assert (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"sample_id": f"s:{i}", "input_ids": torch.randint(5, 200, (20 + 7 * i,), generator=generator).tolist(),
+             "loss_mask": [1] * (20 + 7 * i)} for i in range(5)]
+    prepared = tmp_path / "prepared" / "shard-00000.safetensors"
+    prepared.parent.mkdir()
+    shards.write_prepared_shard(prepared, 0, rows, {"target": "tiny"})
+    subset = sglang_engine.subset_shard(prepared, 3, tmp_path / "subset" / "shard-00000.safetensors")
+    reader = shards.verify_shard(subset, deep=True)
+    assert reader.sample_ids == ["s:0", "s:1", "s:2"] and reader.token_counts == [20, 27, 34]
+    assert sglang_engine.subset_shard(prepared, 0, tmp_path / "all.safetensors") == prepared
+    hidden = json.loads((target / "config.json").read_text())["hidden_size"]
+    disk = sglang_engine.measure_disk(subset, hidden, 3, "float8_e4m3", tmp_path)
+    assert disk["tokens"] == 81 and disk["tokens_per_s"] > 0 and not list(tmp_path.glob("disk-probe-*"))
+    for name in ("a", "b"):
+        extract.extract_shard(subset, tmp_path / name / "shard-00000.safetensors", str(target), "random", "default",
+                              device="cpu", check_disk=False)
+    comparison = sglang_engine.compare_on_gpu(tmp_path / "a" / "shard-00000.safetensors",
+                                              tmp_path / "b" / "shard-00000.safetensors", subset, samples=2)
+    assert comparison["samples"] == 2 and comparison["tokens"] == 47 and comparison["same_samples"]
+    assert all(t["min_row_cosine"] > 0.9999 and t["mean_relative_diff"] == 0 for k, t in comparison["tensors"].items()
+               if "hidden" in k)
+    result = {"shape": "smollm2", "target_params_b": 0.1, "ceiling": {"tokens_per_s": 400.0, "samples": 3, "tokens": 81},
+              "disk": {"bfloat16": {"tokens_per_s": 300.0}}, "patched": {"bfloat16": {"tokens_per_s_written": 150.0,
+                                                                                       "tokens_per_s": 151.0}},
+              "transformers": {"bfloat16": {"tokens_per_s": 200.0}}}
+    result["summary"] = sglang_engine.summary(result)
+    row = result["summary"]["dtypes"]["bfloat16"]
+    assert row["ceiling_tokens_per_s"] == 300.0 and row["ratio"] == 0.5  # the disk is the tighter ceiling here
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    assert sglang_engine.main(["table", str(tmp_path / "result.json")]) == 0
+    assert "| smollm2 | 0.1B | 3 | 81 | bfloat16 | 400 | 300 | 150 | 0.50 | 200 |" in capsys.readouterr().out
