@@ -112,7 +112,7 @@ def read_chats(
     report = ingest.IngestReport()
     note: dict = {"name": name, "path": str(path), "records": 0}
     report.files.append(note)
-    prompts, seen_ids, seen_content = [], set(), set()
+    prompts, seen = [], ingest.SeenRecords()
     for record in ingest.iter_source_records(path, note):
         note["records"] += 1
         report.records_read += 1
@@ -125,14 +125,9 @@ def read_chats(
         content_key = ingest.content_hash(turns)
         prompt_id = f"{name}/{record_id if record_id is not None else content_key}"
         # Ids name a prompt in every trace and reference; two records with one prompt measure it twice.
-        if prompt_id in seen_ids:
-            report.rejected["duplicate_id"] += 1
+        if seen.repeat(report, prompt_id, content_key):
             continue
-        if content_key in seen_content:
-            report.rejected["duplicate_content"] += 1
-            continue
-        seen_ids.add(prompt_id)
-        seen_content.add(content_key)
+        seen.add(prompt_id, content_key)
         report.repaired.update(repairs)
         report.kept += 1
         prompts.append({"id": prompt_id, "category": name, "messages": turns})

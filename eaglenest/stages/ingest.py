@@ -283,8 +283,7 @@ def ingest(
     The first ``max_conversations`` valid conversations (in source order) are kept.
     """
     report = IngestReport()
-    seen_ids: set[str] = set()
-    seen_content: set[str] = set()
+    seen = SeenRecords()
     lines: list[str] = []
     missing = [source["path"] for source in sources if not Path(source["path"]).is_file()]
     if missing:
@@ -303,23 +302,36 @@ def ingest(
                 continue
             content_key = content_hash(messages)
             sample_id = f"{source['name']}:{record_id if record_id is not None else content_key}"
-            if sample_id in seen_ids:
-                report.rejected["duplicate_id"] += 1
-                continue
-            if content_key in seen_content:
-                report.rejected["duplicate_content"] += 1
+            if seen.repeat(report, sample_id, content_key):
                 continue
             if max_conversations is not None and report.kept >= max_conversations:
                 report.capped += 1
                 continue
-            seen_ids.add(sample_id)
-            seen_content.add(content_key)
+            seen.add(sample_id, content_key)
             report.repaired.update(repairs)
             report.kept += 1
             lines.append(json.dumps({"sample_id": sample_id, "messages": messages}, ensure_ascii=False))
     atomic.write_text(output_path, "\n".join(lines) + ("\n" if lines else ""))
     atomic.write_json(report_path, report.to_json())
     return report
+
+
+@dataclass
+class SeenRecords:
+    """The ids and contents kept so far: a record repeating either is counted by reason and skipped."""
+
+    ids: set = field(default_factory=set)
+    contents: set = field(default_factory=set)
+
+    def repeat(self, report: IngestReport, record_key: str, content_key: str) -> bool:
+        reason = "duplicate_id" if record_key in self.ids else "duplicate_content" if content_key in self.contents else None
+        if reason is not None:
+            report.rejected[reason] += 1
+        return reason is not None
+
+    def add(self, record_key: str, content_key: str) -> None:
+        self.ids.add(record_key)
+        self.contents.add(content_key)
 
 
 def read_conversations(path: str | os.PathLike) -> Iterator[dict]:
