@@ -273,3 +273,19 @@ def test_sglang_engine_pieces_that_need_no_server_run_on_cpu(tmp_path, tiny_llam
     (tmp_path / "result.json").write_text(json.dumps(result))
     assert sglang_engine.main(["table", str(tmp_path / "result.json")]) == 0
     assert "| smollm2 | 0.1B | 3 | 81 | bfloat16 | 400 | 300 | 150 | 0.50 | 200 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_spool_path_runs_the_client_against_an_instant_server_beside_the_disk(tmp_path, packed):
+    out = tmp_path / "spool.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "spool_path.py"), "--hidden", "64", "--samples", "6",
+         "--samples-per-request", "4", "--concurrency", "2", "--work", str(tmp_path / "work"), "--out", str(out),
+         *(["--packed"] if packed else [])],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["client"]["samples"] == 6 and report["client"]["requests"] == 2
+    assert report["disk"]["tokens"] == report["client"]["tokens"] and report["ratio_to_disk"] > 0
+    assert not list((tmp_path / "work" / "hidden").glob("*")), "the measured shard is removed"
