@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -123,6 +124,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
     hidden_path.unlink()
     server.shutdown()
+    shutil.rmtree(spool_dir, ignore_errors=True)
     result = {"settings": vars(options), "cpus": os.cpu_count(), "disk": disk, "client": stats, "wall_s": round(wall, 3),
               "ratio_to_disk": round(stats["tokens_per_s_written"] / disk["tokens_per_s"], 3)}
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
