@@ -311,7 +311,7 @@ class ServerBackend:
     in_token_order = False  # concurrent requests finish in any order
 
     def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
-                 retries, backoff_s, max_consecutive_failures, samples_per_request=64, tokens_per_request=131072,
+                 retries, backoff_s, max_consecutive_failures, samples_per_request=16, tokens_per_request=131072,
                  spool_timeout_s=120.0, dtype="bfloat16"):
         self.url, self.shard_tag, self.target_name, self.dtype = url, shard_tag, target_name, dtype
         self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
@@ -373,8 +373,8 @@ def extract_shard_via_server(
     num_layers: int,
     dtype: str = "bfloat16",
     spool_dir: str = sglang_patch.DEFAULT_SPOOL_DIR,
-    concurrency: int = 4,
-    samples_per_request: int = 64,
+    concurrency: int = 16,
+    samples_per_request: int = 16,
     tokens_per_request: int = 131072,
     spool_timeout_s: float = 120.0,
     request_timeout_s: float = 600.0,
