@@ -3,8 +3,8 @@
 # keyed by the settings that choose them, see eaglenest.plan.prepared_key), the target, the layers
 # and the storage dtype (params). Knobs that only change speed (device, batch size,
 # preflight) are read from the config by the script, so changing them never schedules
-# re-extraction. The prepared shard is ancient(): prepare rewrites all its shards
-# whenever it runs, and identical rewrites must not cost GPU days; consolidate
+# re-extraction. The prepared shard is ancient(): a shard's prepare job rewrites it whenever
+# it runs (a re-ingested source reruns them all), and identical rewrites must not cost GPU days; consolidate
 # cross-checks every hidden shard against its prepared shard as a safety net.
 
 
