@@ -13,7 +13,7 @@ source "$(dirname "$0")/h200_steps.sh"
 ARMS_DIR=${ARMS_DIR:-/dev/shm/eaglenest-arms}
 ARMS=${ARMS-original regenerated} # ARMS= runs the full set alone
 FULL_CORES=${FULL_CORES:-10}
-# FULL_UNTIL=export_drafter stops the full set before evaluation (a session of its own)
+# FULL_UNTIL=export_drafter stops the full set before evaluation (evaluate later or elsewhere)
 UNTIL=()
 [ -n "${FULL_UNTIL:-}" ] && UNTIL=(--until "$FULL_UNTIL")
 EXTRA=("$@")
