@@ -1,4 +1,4 @@
-# Sourced by the H200 drivers (benchmarks/h200_*.sh): each step's log, wall time and exit status.
+# Sourced by the GPU-node drivers (benchmarks/run.sh, benchmarks/h200_*.sh): each step's log, wall time and exit status.
 # Sourced first, it also moves to the checkout (REPO), makes logs/h200/ and puts the checkout on
 # PYTHONPATH: the node's own Python runs everything, eaglenest imported from this checkout.
 set -u
