@@ -461,14 +461,18 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
 SLOW_SERVER_DELAY_S = 3.0  # the slow server's answer time; the job's request timeout is 1 s
 
 
+SAMPLES_PER_REQUEST = 2  # several requests per shard, so that a server can die between two of them
+
+
 def server_faults(samples_in_shard: int, layer_ids: list[int]) -> dict[str, tuple[list[str], str]]:
     """Fault name -> (stand-in switches, what the extract job's failure must say)."""
+    requests_in_shard = -(-samples_in_shard // SAMPLES_PER_REQUEST)
     other_layers = [layer_ids[0] - 1 if layer_ids[0] > 0 else layer_ids[0] + 1, *layer_ids[1:]]
     return {
-        "server_killed_mid_shard": (["--exit-after", str(max(1, samples_in_shard // 2))],
+        "server_killed_mid_shard": (["--exit-after", str(max(1, requests_in_shard // 2))],
                                     r"SGLang server at \S+ failed \d+ requests in a row"),
-        "server_slow": (["--delay-s", str(SLOW_SERVER_DELAY_S)], r"failed \d+ requests in a row \(last: sample \d+: \w+: timed out\)"),
-        "server_shape_mismatch": (["--drop-rows", "2"], r"returned aux \(\d+, \d+\) / last \(\d+, \d+\) for sample \d+ of \d+ tokens"),
+        "server_slow": (["--delay-s", str(SLOW_SERVER_DELAY_S)], r"failed \d+ requests in a row \(last: samples? \d+(-\d+)?: \w+: timed out\)"),
+        "server_shape_mismatch": (["--drop-rows", "2"], r"returned \{[^}]*\} for sample \d+ of \d+ tokens"),
         "server_content_mismatch": (["--wrong-ids"], r"computed sample \d+ on other token ids than were sent"),
         "server_vllm": (["--impersonate", "vllm"], r"is a vLLM OpenAI server serving \[[^]]*\]"),
         "server_unpatched_sglang": (["--impersonate", "sglang"], r"is an SGLang server without the eaglenest patch"),
@@ -515,7 +519,8 @@ def use_server(workflow: Workflow, url: str, spool_dir: Path, request_timeout_s:
     settings = yaml.safe_load(workflow.configfile.read_text())
     settings["extract"]["backend"] = "sglang"
     settings["extract"]["sglang"] = {
-        "url": url, "start_server": False, "spool_dir": str(spool_dir), "concurrency": 2, "request_timeout_s": request_timeout_s,
+        "url": url, "start_server": False, "spool_dir": str(spool_dir), "concurrency": 2,
+        "samples_per_request": SAMPLES_PER_REQUEST, "request_timeout_s": request_timeout_s,
         "retries": 1, "backoff_s": 0.05, "max_consecutive_failures": 2,
     }
     workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
