@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parents[1] / "config" / "schema.yaml"
+# config/schema.yaml, reached through the package's link to it, so that an installed wheel
+# (which copies the file in) reads the same schema as a source checkout.
+SCHEMA_PATH = Path(__file__).resolve().parent / "config_schema.yaml"
 
 # train keys that decide the weights a run ends with: the checkpoint fingerprint
 # (eaglenest.stages.train) and the params of rule train_drafter (its rerun trigger). The other train

@@ -14,12 +14,14 @@ import torch
 import yaml
 
 from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
+from support import STANDIN_SERVER
 from eaglenest.stages import extract
 from eaglenest.formats import shards
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
 from test_sglang_protocol import standin, start_standin  # noqa: F401 (standin: a fixture)
 
 
+@pytest.mark.integration
 def test_plugin_record_is_found_by_the_entry_point_loader_sglang_uses(tmp_path):
     plugin_dir = sglang_launch.write_plugin_record(tmp_path)
     capture = {"spool_dir": str(tmp_path / "spool"), "target": "t", "layer_ids": [2], "sglang_layer_ids": [1],
@@ -43,6 +45,7 @@ def test_plugin_does_nothing_in_servers_not_started_by_the_launcher(monkeypatch)
     assert sglang_patch.register() is None  # would raise here: sglang is not installed
 
 
+@pytest.mark.integration
 def test_launcher_reports_a_server_that_exits_while_loading(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("RuntimeError: CUDA out of memory\n")
@@ -51,6 +54,7 @@ def test_launcher_reports_a_server_that_exits_while_loading(tmp_path):
         sglang_launch.wait_until_ready("http://127.0.0.1:9", process, {"target": "t", "layer_ids": [2], "hidden_size": 8}, 60, log)
 
 
+@pytest.mark.integration
 def test_launcher_waits_until_the_server_answers_as_ours(tmp_path, tiny_llama):
     process, url, spool = start_standin(tmp_path, tiny_llama)
     try:
@@ -62,6 +66,7 @@ def test_launcher_waits_until_the_server_answers_as_ours(tmp_path, tiny_llama):
         process.wait(timeout=30)
 
 
+@pytest.mark.workflow
 def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_path, tiny_llama):
     """The real Snakefile, backend sglang, against the stand-in server over HTTP."""
     process, url, spool = start_standin(tmp_path, tiny_llama, layers=[2, 3, 4])
@@ -89,6 +94,7 @@ def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_pat
         assert all(torch.equal(via_server[name], reference[name]) for name in shards.HIDDEN_TENSORS), path.name
 
 
+@pytest.mark.workflow
 def test_dry_run_of_a_tensor_parallel_8_sglang_config_plans_gpu_resources(tmp_path, tiny_llama):
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
     configfile = tiny_workflow_config(
@@ -112,6 +118,7 @@ def test_service_ports_are_picked_free_and_below_the_ephemeral_range():
             assert sglang_launch.SERVICE_PORTS_FROM <= port < low
 
 
+@pytest.mark.integration
 def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server_starts_on_another(tmp_path, tiny_llama, standin):
     """Another launch's server (same target, same layers) took the port this launcher picked
     before its own server bound it: the launcher must not take that server for its own, and
@@ -120,14 +127,14 @@ def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server
     workdir = tmp_path / "work"
     workdir.mkdir()
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
-    sglang = {"standin": True, "spool_dir": str(tmp_path / "launcher-spool")}
+    sglang = {"standin": str(STANDIN_SERVER), "spool_dir": str(tmp_path / "launcher-spool")}
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     service_file = workdir / "block.json"
     service_file.touch()
     script = (
         "import functools, sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
         f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
-        "command_for = functools.partial(launch.standin_command, launch.capture_settings(config));"
+        f"command_for = functools.partial(launch.standin_command, {str(STANDIN_SERVER)!r}, launch.capture_settings(config));"
         f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), command_for=command_for, url={taken_url!r}, "
         f"service_file={str(service_file)!r}, repick_port=True))"
     )

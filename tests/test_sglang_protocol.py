@@ -22,7 +22,7 @@ import torch
 from eaglenest.stages import extract, shard_driver
 from eaglenest.formats import shards
 from eaglenest.sglang import client as sglang_client
-from eaglenest.sglang.launch import STANDIN_SERVER
+from support import STANDIN_SERVER
 
 TARGET = "tiny-llama"
 LAYERS = [2, 3, 4]
@@ -96,6 +96,7 @@ def assert_no_shard_left(hidden_dir: Path) -> None:
     assert not list(hidden_dir.glob("shard-*")), list(hidden_dir.iterdir())
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
 def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_shard, tmp_path, tiny_llama, dtype):
     """fp8 included: the client quantises each answer's rows as the transformers backend does."""
@@ -119,6 +120,7 @@ def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_sha
     assert list(spool.iterdir()) == []  # every spool file was consumed
 
 
+@pytest.mark.integration
 def test_standin_fp8_shard_holds_the_transformers_states_quantised_per_token_and_layer(standin, prepared_shard, tmp_path, tiny_llama):
     """Independent of both backends' storage code: the server's fp8 shard is quantize_rows of
     the float32 states the transformers backend stores, so a cast without quantising fails."""
@@ -138,6 +140,7 @@ def test_standin_fp8_shard_holds_the_transformers_states_quantised_per_token_and
         assert torch.equal(stored[shards.SCALE_TENSORS[name]], scale), name
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("check_disk", [True, False], ids=["with-preflight", "without-preflight"])
 def test_a_bad_dtype_is_refused_before_any_request_is_served(standin, prepared_shard, tmp_path, check_disk):
     # --exit-after 0: the server dies on the first /generate it receives.
@@ -149,6 +152,7 @@ def test_a_bad_dtype_is_refused_before_any_request_is_served(standin, prepared_s
     assert_no_shard_left(hidden.parent)
 
 
+@pytest.mark.integration
 def test_client_refuses_a_vllm_server_on_the_port(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--impersonate", "vllm")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
@@ -157,12 +161,14 @@ def test_client_refuses_a_vllm_server_on_the_port(standin, prepared_shard, tmp_p
     assert_no_shard_left(hidden.parent)
 
 
+@pytest.mark.integration
 def test_client_refuses_an_sglang_server_without_the_patch(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--impersonate", "sglang")
     with pytest.raises(sglang_client.SglangServerError, match="SGLang server without the eaglenest patch"):
         sglang_client.extract_shard_via_server(prepared_shard, tmp_path / "hidden" / "shard-00000.safetensors", url, **client_kwargs(spool))
 
 
+@pytest.mark.integration
 def test_client_refuses_a_patched_server_with_other_layers_or_target(standin, prepared_shard, tmp_path):
     _, url, spool = standin(layers=[1, 3, 4])
     with pytest.raises(sglang_client.SglangServerError, match=r"layer_ids: server has \[1, 3, 4\], config wants \[2, 3, 4\]"):
@@ -171,6 +177,7 @@ def test_client_refuses_a_patched_server_with_other_layers_or_target(standin, pr
         sglang_client.check_server(url, "Kimi-K2.5", [1, 3, 4], HIDDEN)
 
 
+@pytest.mark.integration
 def test_client_refuses_a_server_started_to_generate(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--mode", "serve")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
@@ -184,6 +191,7 @@ def test_client_names_the_url_when_no_server_listens(prepared_shard, tmp_path):
         sglang_client.check_server("http://127.0.0.1:9", TARGET, LAYERS, HIDDEN)
 
 
+@pytest.mark.integration
 def test_server_dying_mid_shard_fails_cleanly_without_partial_shard(standin, prepared_shard, tmp_path):
     process, url, spool = standin("--exit-after", "3")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
@@ -196,6 +204,7 @@ def test_server_dying_mid_shard_fails_cleanly_without_partial_shard(standin, pre
     assert list(spool.iterdir()) == []  # the 3 answered samples' spool files were consumed
 
 
+@pytest.mark.integration
 def test_slow_server_times_out_with_a_clear_error(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--delay-s", "3")
     hidden = tmp_path / "hidden" / shards.shard_name(0)
@@ -206,6 +215,7 @@ def test_slow_server_times_out_with_a_clear_error(standin, prepared_shard, tmp_p
     assert_no_shard_left(hidden.parent)
 
 
+@pytest.mark.integration
 def test_shape_mismatch_from_the_server_is_refused(standin, prepared_shard, tmp_path):
     _, url, spool = standin("--drop-rows", "2")
     hidden = tmp_path / "hidden" / shards.shard_name(0)

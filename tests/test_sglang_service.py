@@ -26,6 +26,7 @@ from conftest import (
 from eaglenest.stages import extract
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
 from eaglenest.formats import shards
+from support import STANDIN_SERVER
 from support.group_jobs import planned_group_jobs
 
 SHARDS = [f"{i:05d}" for i in range(4)]
@@ -39,7 +40,7 @@ def service_run(tmp_path: Path, tiny_llama: Path) -> tuple[Path, Path, Path]:
     workdir = tmp_path / "work"
     workdir.mkdir()
     spool = tmp_path / "spool"  # unique to this test: it marks the test's server processes
-    sglang = {"standin": True, "shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
+    sglang = {"standin": str(STANDIN_SERVER), "shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     return workdir, configfile, spool
 
@@ -121,6 +122,7 @@ def tiny_workflow_target(workdir: Path) -> str:
     return yaml.safe_load((workdir / "config.yaml").read_text())["target"]["path"]
 
 
+@pytest.mark.workflow
 def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_path, tiny_llama):
     workdir, configfile, spool = service_run(tmp_path, tiny_llama)
     started = time.monotonic()
@@ -159,6 +161,7 @@ def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_pa
     assert planned_jobs(workdir, configfile, *TARGETS) == {"extract_hidden_states": 4}
 
 
+@pytest.mark.workflow
 def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_block(tmp_path, tiny_llama):
     workdir, configfile, spool = service_run(tmp_path, tiny_llama)
     service_file = {block: workdir / "results" / "tiny" / "sglang" / f"block-{block}.json" for block in ("00000", "00001")}
@@ -213,6 +216,7 @@ def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_
     assert planned_jobs(workdir, configfile, *TARGETS) == {}
 
 
+@pytest.mark.workflow
 def test_kimi_dry_run_plans_one_eight_gpu_server_per_block_of_shards(tmp_path):
     """config/kimi-k2.5.yaml (TP 8, 240 shards, 8 per server) through profiles/slurm: every
     block is one group job that asks for the node's 8 GPUs once, however many shards it has."""
@@ -241,6 +245,7 @@ def test_kimi_dry_run_plans_one_eight_gpu_server_per_block_of_shards(tmp_path):
     assert blocks == set(range(30))
 
 
+@pytest.mark.workflow
 def test_shard_jobs_that_would_hold_gpus_beside_their_server_are_refused(tmp_path, tiny_llama):
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
     configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, extract={"backend": "sglang", "gpus_per_job": 8})
@@ -254,7 +259,7 @@ def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]
     config = {
         "run": "tiny",
         "target": {"name": "tiny-llama", "path": str(model), "num_layers": 7, "hidden_size": 64, "vocab_size": 320},
-        "extract": {"layer_ids": "default", "sglang": {"standin": True, "spool_dir": str(tmp_path / "spool")}},
+        "extract": {"layer_ids": "default", "sglang": {"standin": str(STANDIN_SERVER), "spool_dir": str(tmp_path / "spool")}},
     }
     service_file = tmp_path / "block-00000.json"
     command = [
@@ -265,6 +270,7 @@ def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), service_file
 
 
+@pytest.mark.integration
 def test_launcher_as_a_service_publishes_its_server_and_stops_it_on_sigint(tmp_path, tiny_llama):
     launcher, service_file = launch_service(tmp_path, tiny_llama)
     try:
@@ -280,6 +286,7 @@ def test_launcher_as_a_service_publishes_its_server_and_stops_it_on_sigint(tmp_p
     assert_no_server_left(tmp_path / "spool", [{"pid": record["server_pid"], "url": record["url"]}])
 
 
+@pytest.mark.integration
 def test_shard_jobs_learn_at_once_why_their_server_did_not_start(tmp_path):
     launcher, service_file = launch_service(tmp_path, tmp_path / "no-model-here")
     started = time.monotonic()
@@ -293,6 +300,7 @@ def test_shard_jobs_learn_at_once_why_their_server_did_not_start(tmp_path):
             launcher.kill()
 
 
+@pytest.mark.workflow
 def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_mode(tmp_path, tiny_llama):
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
     workdir = tmp_path / "work"
@@ -301,7 +309,7 @@ def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_
     configfile = tiny_workflow_config(
         workdir, tiny_llama, conversations,
         data={"max_conversations": 20, "samples_per_shard": 10},
-        extract={"sglang": {"standin": True, "spool_dir": str(spool)}},
+        extract={"sglang": {"standin": str(STANDIN_SERVER), "spool_dir": str(spool)}},
         regenerate={"enabled": True, "backend": "openai", "max_new_tokens": 8, "concurrency": 2, "temperature": 0.8,
                     "top_p": 0.95},
     )

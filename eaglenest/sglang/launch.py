@@ -59,9 +59,10 @@ from eaglenest.ops import gpu_slots
 from eaglenest.sglang import client as sglang_client, patch as sglang_patch
 from eaglenest import settings as settings_lib
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-# extract.sglang.standin: the test suite's stand-in server, only in a source checkout.
-STANDIN_SERVER = REPO_ROOT / "tests" / "support" / "standin_server.py"
+# The directory that holds the eaglenest package (a checkout or site-packages): the server's
+# PYTHONPATH, so that the capture plugin imports it.
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
+
 
 
 def sglang_settings(config: dict) -> dict:
@@ -153,17 +154,18 @@ def launch_command(
     ]
 
 
-def standin_command(capture: dict, url: str, python: str = sys.executable) -> list[str]:
-    """The test suite's stand-in server with the settings the patched server would get
-    (extract.sglang.standin, a test tool: it computes with transformers, one sample per request)."""
-    if not STANDIN_SERVER.is_file():
+def standin_command(script: str, capture: dict, url: str, python: str = sys.executable) -> list[str]:
+    """The stand-in server at ``script`` (extract.sglang.standin, a test tool that speaks the
+    patched server's protocol) with the settings the patched server would get."""
+    if not Path(script).is_file():
         raise FileNotFoundError(
-            f"extract.sglang.standin starts the test suite's stand-in server {STANDIN_SERVER}, which only a "
-            "source checkout of eaglenest has; a production run serves the target with SGLang (standin: false)"
+            f"extract.sglang.standin names {script}, which is not a file; it is a test tool (the stand-in server "
+            "script of a source checkout); a production run serves the target with SGLang "
+            "(standin: null)"
         )
     address = urllib.parse.urlsplit(url)
     return [
-        python, str(STANDIN_SERVER),
+        python, str(script),
         "--model", capture["model_path"],
         "--target", capture["target"],
         "--layer-ids", *map(str, capture["layer_ids"]),
@@ -239,7 +241,7 @@ def write_plugin_record(state_dir: str | os.PathLike) -> Path:
 
 def server_environment(capture: dict, plugin_dir: Path, base=os.environ) -> dict:
     env = dict(base)
-    paths = [str(plugin_dir), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    paths = [str(plugin_dir), str(PACKAGE_PARENT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env[sglang_patch.SETTINGS_ENV] = json.dumps(capture)
     return env
@@ -501,7 +503,7 @@ def main(argv=None) -> int:
         capture = capture_settings(config, options.mode)
         url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
         if settings["standin"]:
-            command_for = functools.partial(standin_command, capture)
+            command_for = functools.partial(standin_command, settings["standin"], capture)
         else:
             # The flags depend on the sglang of this env; without one, the pinned version's.
             version = installed_sglang_version() or sglang_patch.SGLANG_VERSION

@@ -8,3 +8,8 @@ stand-in server and the chaos harness also run as scripts from a source checkout
     python tests/support/chaos.py --workdir /tmp/chaos --kills 20 --seed 1
     python tests/support/standin_server.py --model DIR --target NAME --port 30000
 """
+
+from pathlib import Path
+
+# The stand-in server's script: the tests pass it in as extract.sglang.standin.
+STANDIN_SERVER = Path(__file__).resolve().parent / "standin_server.py"

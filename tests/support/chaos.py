@@ -54,7 +54,7 @@ import yaml
 from eaglenest import layout, plan
 from eaglenest.formats import atomic, shards
 from eaglenest.ops import recon
-from eaglenest.sglang.launch import STANDIN_SERVER
+from support import STANDIN_SERVER
 
 REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script (python tests/support/chaos.py): find the support package

@@ -56,7 +56,8 @@ def load_config(workdir: str | os.PathLike = ".", configfiles: Iterable[str] = (
         if not isinstance(override, dict):
             raise ReconError(f"--configfile {path} must hold a mapping, not {type(override).__name__}")
         _update_config(config, override)
-    _validate_with_defaults(config, yaml.safe_load((repo / "config" / "schema.yaml").read_text()))
+    checkout_schema = repo / "config" / "schema.yaml"  # the one the checkout's Snakefile validates with
+    _validate_with_defaults(config, yaml.safe_load(checkout_schema.read_text()) if checkout_schema.exists() else settings.schema())
     try:
         plan.layer_ids(config)
     except ValueError as err:
