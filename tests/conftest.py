@@ -39,7 +39,26 @@ def work_unit(path: str | Path) -> str:
     return SHARED_UNITS.get(path.stem, path.stem)
 
 
+# ---- tiers ------------------------------------------------------------------------------------------
+# unit: in-process, tiny models (`pytest -m unit`, the fast tier); integration: real processes —
+# servers, torchrun, benchmark scripts, torch.compile, a wheel build; workflow: the Snakefile —
+# Snakemake, Slurm, chaos, the peer environment, the real SmolLM2. A test without a tier mark is
+# a unit test; one that runs Snakemake without the workflow mark fails (run_snakemake).
+MARKED_TIERS = ("integration", "workflow")
+
+
+def tier_of(item) -> str:
+    return next((tier for tier in MARKED_TIERS if item.get_closest_marker(tier)), "unit")
+
+
+def pytest_runtest_setup(item):
+    os.environ["EAGLENEST_TEST_TIER"] = tier_of(item)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if tier_of(item) == "unit":
+            item.add_marker(pytest.mark.unit)
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(work_unit(item.path), len(rank)), order[id(item)]))
@@ -125,6 +144,8 @@ def snakemake_command(workdir: Path, configfile: Path, *args: str) -> list[str]:
 
 
 def run_snakemake(workdir: Path, configfile: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    if os.environ.get("EAGLENEST_TEST_TIER") not in (None, "workflow"):
+        raise AssertionError("this test runs Snakemake: mark it @pytest.mark.workflow (tests/conftest.py, tiers)")
     args = args or ("--cores", "2")
     result = subprocess.run(
         snakemake_command(workdir, configfile, *args),

@@ -29,6 +29,7 @@ def big_prepared_shard(tmp_path):
     return path
 
 
+@pytest.mark.integration
 def test_preflight_refuses_with_needed_and_free_bytes(small_disk, big_prepared_shard, tiny_llama):
     hidden = small_disk / "hidden" / "shard-00000.safetensors"
     with pytest.raises(shard_driver.InsufficientDiskError) as error:
@@ -39,6 +40,7 @@ def test_preflight_refuses_with_needed_and_free_bytes(small_disk, big_prepared_s
     assert list(hidden.parent.iterdir()) == []
 
 
+@pytest.mark.integration
 def test_disk_full_during_write_leaves_no_partial_shard(small_disk, big_prepared_shard, tiny_llama):
     hidden = small_disk / "hidden" / "shard-00000.safetensors"
     with pytest.raises(atomic.DiskFullError, match="disk full while writing .*shard-00000.safetensors"):

@@ -166,6 +166,7 @@ def test_ttt_gradients_equal_the_dense_mask_reference():
         torch.testing.assert_close(ours[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.integration
 def test_flex_and_dense_context_attention_agree():
     """The GPU path (FlexAttention block mask + log-sum-exp) against the dense one. The CPU
     flex kernel runs forward only, so this checks the mask and the merge; the gradients of the
@@ -300,6 +301,7 @@ MERGES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("merge", sorted(MERGES))
 @pytest.mark.parametrize("chunk_positions", [11, 4])  # one chunk; three, the last short
 @pytest.mark.parametrize("steps", [1, 3, 6])
@@ -313,6 +315,7 @@ def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, ch
     check_merge_against_autograd(MERGES[merge](), dtype, steps, chunk_positions, monkeypatch)
 
 
+@pytest.mark.integration
 def test_fused_merge_compiled_equals_autograd_through_its_ops(monkeypatch):
     """The fused merge as torch.compile builds it (inductor, here on the CPU; on a GPU it always
     runs so): the same output and gradients as the reference."""
@@ -385,6 +388,7 @@ def test_merge_of_diagonal_keys_runs_as_many_operators_for_any_number_of_heads()
     assert operators(8, 6) - operators(8, 1) <= 10 * 5
 
 
+@pytest.mark.integration
 def test_merge_of_diagonal_keys_runs_its_products_in_float32_under_autocast():
     """Under bf16 autocast (training on a GPU), the merge's small matrix products stay in float32:
     the same output and gradients as without autocast."""
@@ -437,6 +441,7 @@ def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monke
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, leaves, grad_out), grads))
 
 
+@pytest.mark.integration
 def test_compiled_layer_traces_the_drafter_s_own_autograd_functions(monkeypatch):
     """train.compile compiles the drafter's layer and final norm; its norms, diagonal-key merge
     and gate are autograd functions of the drafter's own. On the CPU (inductor), the compiled layer must

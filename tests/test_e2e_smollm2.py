@@ -14,7 +14,8 @@ import yaml
 from conftest import DEFAULT_CONFIG, REPO, planned_jobs, run_snakemake
 from eaglenest.formats import shards
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.workflow
+
 
 
 @pytest.fixture(scope="module")

@@ -193,6 +193,7 @@ def evaluated_workdir(tmp_path_factory, tiny_llama):
     return workdir, config, result
 
 
+@pytest.mark.workflow
 def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_workdir):
     workdir, _, _ = evaluated_workdir
     results = workdir / "results" / "tiny" / "evaluate"
@@ -210,6 +211,7 @@ def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_wor
     assert "support" in summary["headline"] and "heldout" in summary["headline"]
 
 
+@pytest.mark.workflow
 def test_a_user_set_gets_its_own_rows_and_its_bad_records_are_counted(evaluated_workdir):
     workdir, _, result = evaluated_workdir
     results = workdir / "results" / "tiny" / "evaluate"
@@ -227,6 +229,7 @@ def test_a_user_set_gets_its_own_rows_and_its_bad_records_are_counted(evaluated_
     assert "eaglenest: eval set support: kept 4 of 8 records; rejected 4" in result.stderr
 
 
+@pytest.mark.workflow
 def test_adding_a_user_set_plans_only_its_own_jobs_and_the_summary(evaluated_workdir, tmp_path):
     workdir, config, _ = evaluated_workdir
     assert planned_jobs(workdir, config, "results/tiny/evaluate/summary.json") == {}
@@ -238,6 +241,7 @@ def test_adding_a_user_set_plans_only_its_own_jobs_and_the_summary(evaluated_wor
         "evaluate_prompts": 1, "evaluate_drafting": 4, "evaluate_merge": 2, "evaluate_summary": 1}
 
 
+@pytest.mark.workflow
 def test_a_held_out_set_measures_the_runs_own_validation_conversations(evaluated_workdir):
     workdir, _, _ = evaluated_workdir
     run = workdir / "results" / "tiny"
@@ -247,6 +251,7 @@ def test_a_held_out_set_measures_the_runs_own_validation_conversations(evaluated
     assert [p["id"] for p in job["per_prompt"]] == expected and job["lossless"] is True
 
 
+@pytest.mark.workflow
 def test_a_user_set_without_a_usable_prompt_stops_the_run_with_its_path_and_reason(tmp_path, tiny_llama):
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 10)
     (tmp_path / "data").mkdir()
@@ -260,6 +265,7 @@ def test_a_user_set_without_a_usable_prompt_stops_the_run_with_its_path_and_reas
             "all 1 records rejected (no_user_turn 1)") in result.stderr
 
 
+@pytest.mark.workflow
 def test_the_report_builds_with_the_evaluation_plots(evaluated_workdir):
     workdir, config, _ = evaluated_workdir
     run_snakemake(workdir, config, "--report", "report.html", "results/tiny/evaluate/summary.json")
@@ -269,6 +275,7 @@ def test_the_report_builds_with_the_evaluation_plots(evaluated_workdir):
     assert "Acceptance length tau per eval set" in html
 
 
+@pytest.mark.workflow
 def test_replay_jobs_give_the_decoding_jobs_traces(evaluated_workdir):
     """evaluate.method replay through the workflow: one reference job per chunk, shared by both
     drafting settings, and per-prompt cycles equal to the decoding run's, on every set (the

@@ -254,6 +254,7 @@ def test_export_drafter_writes_both_formats_and_a_report(drafter_dir, tiny_llama
 # ------------------------------------------------------------------ against the pinned SGLang source
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "architecture, num_layers, hf_ids",
     [
@@ -273,6 +274,7 @@ def test_sglang_config_ids_make_pinned_sglang_capture_our_hf_layers(sglang_sourc
     assert _sglang_capture(sglang_source, architecture, num_layers, ids) == hf_ids
 
 
+@pytest.mark.integration
 def test_passing_hf_ids_untranslated_to_pinned_sglang_llama_would_shift_every_layer(sglang_source):
     # The pitfall the translation exists for: HF ids given as is capture the next layers.
     assert _sglang_capture(sglang_source, "LlamaForCausalLM", 30, [2, 15, 27]) == [3, 16, 28]
@@ -284,6 +286,7 @@ def _shape_stub() -> dict:
                 draft_vocab_size=96, target_hidden_size=64)
 
 
+@pytest.mark.integration
 def test_pinned_sglang_load_weights_fills_every_drafter_parameter(sglang_source, drafter_dir, tiny_llama, tmp_path):
     out = _export("sglang", drafter_dir, tiny_llama, tmp_path / "sglang")
     _, tensors = export.read_export(out, tiny_llama)
@@ -320,6 +323,7 @@ def test_pinned_sglang_load_weights_fills_every_drafter_parameter(sglang_source,
 # ------------------------------------------------------------------ against the pinned vLLM source
 
 
+@pytest.mark.integration
 def test_pinned_vllm_reads_our_speculators_config_as_an_hf_id_llama_eagle3(vllm_source, drafter_dir, tiny_llama, tmp_path):
     out = _export("vllm", drafter_dir, tiny_llama, tmp_path / "vllm")
     config = json.loads((out / "config.json").read_text())
@@ -336,6 +340,7 @@ def test_pinned_vllm_reads_our_speculators_config_as_an_hf_id_llama_eagle3(vllm_
     assert pre_trained["draft_vocab_size"] == 96
 
 
+@pytest.mark.integration
 def test_vllm_export_names_fit_the_pinned_vllm_eagle3_loader(vllm_source, drafter_dir, tiny_llama, tmp_path):
     from safetensors import safe_open
 
@@ -360,6 +365,7 @@ def test_vllm_export_names_fit_the_pinned_vllm_eagle3_loader(vllm_source, drafte
 # ------------------------------------------------------------------ the Snakemake rule
 
 
+@pytest.mark.workflow
 def test_export_rule_writes_both_exports_from_a_trained_drafter_directory(drafter_dir, tiny_llama, tmp_path):
     import shutil
 

@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from eaglenest.stages import export, train
 from eaglenest.model.drafter import Eagle3Drafter
 
+pytestmark = pytest.mark.workflow
+
 REPO = Path(__file__).resolve().parents[1]
 TTT_STEPS = 3
 # flex attention (speculators' default) wants the sequence in whole 128-token blocks.

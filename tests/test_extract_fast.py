@@ -171,6 +171,7 @@ def test_varlen_kernel_signature_is_understood():
     assert callable(function) and causal in ({"is_causal": True}, {"window_size": (-1, 0)})
 
 
+@pytest.mark.integration
 def test_throughput_benchmark_runs_on_cpu(tmp_path):
     out = tmp_path / "result.json"
     subprocess.run(

@@ -35,6 +35,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.integration
 def test_jobs_never_share_a_slot_and_all_of_them_run(tmp_path):
     devices = ["0", "1"]
     record = tmp_path / "record.jsonl"
@@ -54,6 +55,7 @@ def test_jobs_never_share_a_slot_and_all_of_them_run(tmp_path):
     assert len({run["device"] for run in runs}) == 2
 
 
+@pytest.mark.integration
 def test_a_slot_held_by_a_killed_job_is_free_again(tmp_path):
     lock_dir = tmp_path / "locks"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock_dir), "7"], stdout=subprocess.PIPE, text=True)
@@ -100,6 +102,7 @@ def test_asking_for_more_gpus_than_the_pool_has_is_refused(tmp_path):
         gpu_slots.acquire(3, ["0", "1"], tmp_path)
 
 
+@pytest.mark.integration
 def test_command_line_runs_a_command_on_a_held_slot(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "eaglenest.ops.gpu_slots", "--devices", "3", "--lock-dir", str(tmp_path), "--",

@@ -134,6 +134,7 @@ def fake_vllm_process():
     process.wait()
 
 
+@pytest.mark.integration
 def test_nvidia_smi_output_names_the_vllm_process_holding_idle_gpus(fake_vllm_process):
     outputs = {"--query-gpu": H200_GPUS, "--query-compute-apps": H200_APPS.format(pid=fake_vllm_process.pid)}
     run = lambda args: outputs[args[0].split("=")[0]]  # noqa: E731  (recorded nvidia-smi text)
@@ -262,6 +263,7 @@ def test_nothing_answering_on_the_configured_url_blocks(tmp_path):
     assert section["steps"][0]["command"] == "python -m eaglenest.sglang.launch"
 
 
+@pytest.mark.integration
 def test_no_server_is_expected_between_runs_when_the_workflow_starts_one_per_block(tmp_path):
     section = recon.check_servers(sglang_config(tmp_path), {}, listeners=[])  # start_server: true by default
     assert section["status"] == recon.NA and "starts a server per block" in section["summary"]
@@ -304,6 +306,7 @@ def test_proc_net_tcp_listeners_are_parsed_for_ipv4_and_ipv6():
 # --------------------------------------------------------------------------- workflow state
 
 
+@pytest.mark.workflow
 def test_finished_run_is_ready_with_nothing_to_run(finished_run):
     workdir, configfile = finished_run
     report = run_recon(workdir, configfile)
@@ -318,6 +321,7 @@ def test_finished_run_is_ready_with_nothing_to_run(finished_run):
     assert report["verdict"]["ready"] and report["verdict"]["next_command"].startswith("nothing to run")
 
 
+@pytest.mark.workflow
 def test_run_killed_mid_extraction_reports_missing_and_partial_shards_and_unlock_first(run_copy):
     workdir, configfile = run_copy
     for shard_id in (1, 2, 3):
@@ -363,6 +367,7 @@ def test_run_killed_mid_extraction_reports_missing_and_partial_shards_and_unlock
     assert planned_jobs(workdir, configfile).get("extract_hidden_states") == len(expected)
 
 
+@pytest.mark.workflow
 def test_truncated_shard_is_corrupt_in_header_mode_and_bit_flip_only_in_deep_mode(run_copy):
     workdir, configfile = run_copy
     truncated, flipped = hidden(workdir, 1), hidden(workdir, 2)
@@ -390,6 +395,7 @@ def test_truncated_shard_is_corrupt_in_header_mode_and_bit_flip_only_in_deep_mod
     assert planned_shards(workdir, configfile) == [1, 2] == run_recon(workdir, configfile)["sections"]["workflow"]["to_build"]
 
 
+@pytest.mark.workflow
 def test_bit_flip_in_the_trained_drafter_is_found_by_deep_recon_and_rebuilt_identically(run_copy):
     workdir, configfile = run_copy
     weights = workdir / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
@@ -410,6 +416,7 @@ def test_bit_flip_in_the_trained_drafter_is_found_by_deep_recon_and_rebuilt_iden
     assert run_recon(workdir, configfile, deep=True)["verdict"]["ready"]
 
 
+@pytest.mark.workflow
 def test_incomplete_marker_on_an_existing_shard_asks_for_rerun_incomplete(run_copy):
     workdir, configfile = run_copy
     # What a kill between the atomic rename and Snakemake's bookkeeping leaves behind.
@@ -424,6 +431,7 @@ def test_incomplete_marker_on_an_existing_shard_asks_for_rerun_incomplete(run_co
     assert planned_shards(workdir, configfile) == [0]
 
 
+@pytest.mark.workflow
 def test_fix_removes_stale_temps_and_locks_and_says_so(run_copy, capsys):
     workdir, configfile = run_copy
     hidden(workdir, 3).unlink()
@@ -438,6 +446,7 @@ def test_fix_removes_stale_temps_and_locks_and_says_so(run_copy, capsys):
     assert "Next command: snakemake --cores all" in out
 
 
+@pytest.mark.workflow
 def test_missing_weight_file_blocks_with_the_file_named(run_copy, tiny_llama, tmp_path):
     workdir, configfile = run_copy
     model = tmp_path / "model"
@@ -455,6 +464,7 @@ def test_missing_weight_file_blocks_with_the_file_named(run_copy, tiny_llama, tm
     assert not report["verdict"]["ready"]
 
 
+@pytest.mark.workflow
 def test_disk_too_small_blocks_with_numbers(run_copy):
     workdir, configfile = run_copy
     hidden(workdir, 0).unlink()
@@ -475,6 +485,7 @@ def disk_bytes_per_token(config: dict) -> int:
     return plan.bytes_per_token(config["target"]["hidden_size"], len(plan.layer_ids(config)), config["extract"]["dtype"])
 
 
+@pytest.mark.workflow
 def test_json_output_and_exit_status_of_the_cli(finished_run, capsys):
     workdir, configfile = finished_run
     code = cli.main(["recon", "--directory", str(workdir), "--configfile", str(configfile), "--json"])
@@ -489,6 +500,7 @@ def test_json_output_and_exit_status_of_the_cli(finished_run, capsys):
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 
 
+@pytest.mark.integration
 def test_nvidia_smi_captured_on_an_h200_with_a_process_holding_memory_at_zero_utilisation(fake_vllm_process):
     """Output captured on an H200 (2026-11-29) while a process held 19.7 GB and computed nothing;
     the capture's pid is swapped for a live local process so recon can read its command line."""
@@ -508,6 +520,7 @@ def test_nvidia_smi_captured_on_an_h200_with_a_process_holding_memory_at_zero_ut
     assert "<product_name>NVIDIA H200</product_name>" in xml and f"<pid>{captured_pid}</pid>" in xml
 
 
+@pytest.mark.workflow
 def test_killed_training_job_is_never_ready_with_nothing_to_run(run_copy):
     workdir, configfile = run_copy
     run_dir = workdir / "results" / "tiny"
@@ -535,6 +548,7 @@ def test_killed_training_job_is_never_ready_with_nothing_to_run(run_copy):
     assert "Verdict: finished" not in recon.render(report)
 
 
+@pytest.mark.workflow
 def test_damaged_export_blocks_with_the_command_that_removes_it(run_copy):
     workdir, configfile = run_copy
     weights = workdir / "results" / "tiny" / "export" / "sglang" / "model.safetensors"

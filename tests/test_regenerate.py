@@ -128,6 +128,7 @@ def chat_server(tmp_path, tiny_llama):
         process.wait(timeout=30)
 
 
+@pytest.mark.integration
 def test_openai_backend_retries_a_server_that_is_warming_up(conversations, tmp_path, tiny_llama, chat_server):
     url = chat_server("--chat-fail-first", "3")
     written, report = run_shard(conversations, tmp_path, tiny_llama, backend="openai", url=url, concurrency=1, retries=3)
@@ -136,6 +137,7 @@ def test_openai_backend_retries_a_server_that_is_warming_up(conversations, tmp_p
     assert report["regenerated"] > 0.8 * report["turns"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("on_failure", ["keep_original", "drop_conversation"])
 def test_openai_backend_lists_every_turn_that_keeps_failing(conversations, tmp_path, tiny_llama, chat_server, on_failure):
     originals = {c["sample_id"]: c for c in ingest.read_conversations(conversations)}
@@ -241,6 +243,7 @@ def test_greedy_answers_stop_at_their_first_loop(conversations, tmp_path, tiny_l
     assert generation.text == backend.tokenizer.decode(full_ids[:cut], skip_special_tokens=True).strip()
 
 
+@pytest.mark.integration
 def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, tmp_path, tiny_llama, chat_server):
     url = chat_server()
     greedy = dict(backend="openai", url=url, concurrency=2, temperature=0.0, max_new_tokens=32, max_len=2048)
@@ -272,6 +275,7 @@ def regenerated_files(workdir: Path) -> dict[str, tuple[bytes, int]]:
     return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted((workdir / "results").glob("*/regenerated/*/shard-*"))}
 
 
+@pytest.mark.workflow
 def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(tmp_path, tiny_llama):
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 30)
     reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
@@ -312,7 +316,7 @@ def test_workflow_regenerates_per_shard_and_a_kill_costs_only_unfinished_shards(
     assert not list(killed_dir.rglob("*.tmp*"))
 
 
-@pytest.mark.slow
+@pytest.mark.workflow
 def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
     """The real target on a handful of real turns, greedy, through the Snakefile."""
     os.symlink(REPO / "resources", tmp_path / "resources")

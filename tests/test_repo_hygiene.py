@@ -5,6 +5,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from conftest import REPO
@@ -16,11 +17,13 @@ def pins_from_pyproject() -> dict[str, str]:
     return dict(r.split("==", 1) for r in requirements)
 
 
+@pytest.mark.integration
 def test_snakemake_lint_is_clean():
     result = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.integration
 def test_snakefmt_leaves_the_workflow_unchanged():
     files = ["Snakefile", *sorted(str(p.relative_to(REPO)) for p in (REPO / "rules").glob("*.smk"))]
     result = subprocess.run([sys.executable, "-m", "snakefmt", "--check", *files], cwd=REPO, capture_output=True, text=True)

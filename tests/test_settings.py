@@ -46,6 +46,7 @@ def test_a_bad_value_names_the_key():
         settings.section({"lr": -1}, "train")
 
 
+@pytest.mark.integration
 def test_the_layout_names_the_paths_the_rules_use():
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     paths = layout.RunLayout(config)
@@ -55,6 +56,7 @@ def test_the_layout_names_the_paths_the_rules_use():
     assert layout.stage_of("logs/x/train.log") is None
 
 
+@pytest.mark.integration
 def test_planning_a_run_imports_no_torch(tmp_path):
     """snakemake -n of the default config with torch made unimportable."""
     code = (

@@ -11,6 +11,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
 from test_sglang_protocol import prepared_shard, standin  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +28,7 @@ def run_step(*args) -> int:
     return sglang_h200.main([str(a) for a in args])
 
 
+@pytest.mark.integration
 def test_extract_step_compares_both_backends_and_verifies_the_server_shard(standin, prepared_shard, tiny_llama, tmp_path):
     _, url, spool = standin(target="tiny-llama", layers=[])
     part = tmp_path / "extract.json"
@@ -65,6 +68,7 @@ def test_refuse_step_passes_only_when_the_server_is_refused(tmp_path):
     assert part["refused"] and "without the eaglenest patch serving /m/smol" in part["message"]
 
 
+@pytest.mark.integration
 def test_gpu_script_dry_run_plans_every_step_and_writes_results(tmp_path):
     env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "TARGET_DIR": str(tmp_path), "PREPARED_SHARD": str(tmp_path),
            "DRAFTER_EXPORT": str(tmp_path), "EVAL_PROMPTS": str(tmp_path)}
@@ -79,6 +83,7 @@ def test_gpu_script_dry_run_plans_every_step_and_writes_results(tmp_path):
     assert json.loads((tmp_path / "out" / "results.json").read_text())["summary"]["steps_failed"] == []
 
 
+@pytest.mark.integration
 def test_gpu_script_runs_its_phases_apart_into_one_results_file(tmp_path):
     env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "TARGET_DIR": str(tmp_path), "PREPARED_SHARD": str(tmp_path),
            "DRAFTER_EXPORT": str(tmp_path), "EVAL_PROMPTS": str(tmp_path)}

@@ -110,6 +110,7 @@ def pinned_capture_hidden_mode(src: Path):
     return pinned_function(src, "sglang.srt.model_executor.forward_batch_info", "CaptureHiddenMode", {"IntEnum": enum.IntEnum, "total_ordering": functools.total_ordering})
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("version", "key"), [(v, k) for v, targets in sglang_patch.PATCH_TARGETS.items() for k in sorted(targets)]
 )
@@ -137,6 +138,7 @@ REPLACEMENTS = [
 ]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("version", "key", "factory"), REPLACEMENTS)
 def test_replacement_keeps_the_signature_of_its_sglang(sglang_root, version, key, factory):
     module, attr_path = sglang_patch.PATCH_TARGETS[version][key]
@@ -150,6 +152,7 @@ def test_replacement_keeps_the_signature_of_its_sglang(sglang_root, version, key
     ]
 
 
+@pytest.mark.integration
 def test_pinned_sglang_carries_what_the_patch_reads_and_writes(sglang_src):
     def text(module):
         return module_file(sglang_src, module).read_text()
@@ -180,6 +183,7 @@ def test_pinned_sglang_carries_what_the_patch_reads_and_writes(sglang_src):
     assert "entry_points(group=group)" in plugins
 
 
+@pytest.mark.integration
 def test_every_launcher_flag_exists_in_pinned_server_args(sglang_src):
     config = {
         "run": "kimi", "target": {"name": "Kimi-K2.5", "path": "/models/kimi", "num_layers": 61, "hidden_size": 7168, "tensor_parallel": 8},
@@ -221,6 +225,7 @@ def run_pinned_set_eagle3(src, architecture, ids, num_layers):
     return model.model.layers_to_capture
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
 @pytest.mark.parametrize("hf_ids", [[2, 30, 58], [3, 7, 9], [2, 15, 27], [5]])
 def test_hf_ids_reach_pinned_sglang_as_the_same_layers(any_sglang_src, architecture, hf_ids):
@@ -228,6 +233,7 @@ def test_hf_ids_reach_pinned_sglang_as_the_same_layers(any_sglang_src, architect
     assert run_pinned_set_eagle3(any_sglang_src, architecture, sglang_ids, num_layers=61) == hf_ids
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURE_SOURCES))
 @pytest.mark.parametrize("sglang_ids", [[1, 29, 57], [2, 30, 58], [0, 4], [1]])
 def test_our_mirror_of_the_sglang_convention_matches_pinned_source(any_sglang_src, architecture, sglang_ids):
@@ -236,6 +242,7 @@ def test_our_mirror_of_the_sglang_convention_matches_pinned_source(any_sglang_sr
     )
 
 
+@pytest.mark.integration
 def test_kimi_k25_delegates_layer_capture_to_its_deepseek_v3_language_model(sglang_src):
     kimi = module_file(sglang_src, "sglang.srt.models.kimi_k25").read_text()
     node = find_node(ast.parse(kimi), "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture")
@@ -271,6 +278,7 @@ def make_req(rid, ids, mode=True):
     return SimpleNamespace(rid=rid, origin_input_ids=ids, return_hidden_states=mode, customized_info=None, hidden_states=[])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("background", [False, True], ids=["written-here", "spool-writer"])
 def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src, tmp_path, background):
     mode = pinned_capture_hidden_mode(sglang_src)
@@ -297,6 +305,7 @@ def test_patched_prefill_spools_each_request_of_a_batch_by_request_id(sglang_src
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r-1.safetensors", "r-2.safetensors"]
 
 
+@pytest.mark.integration
 def test_patched_prefill_leaves_last_token_requests_and_other_ranks_alone(sglang_src, tmp_path):
     mode = pinned_capture_hidden_mode(sglang_src)
     original = pinned_function(sglang_src, *sglang_patch.PATCH_TARGETS["0.5.23"]["append_prefill"], {"CaptureHiddenMode": mode, "Req": object})
@@ -343,6 +352,7 @@ def test_request_level_key_wrapper_marks_only_our_key():
 # ---------------------------------------------------------------- sglang 0.5.14 (the H200 image's torch 2.11)
 
 
+@pytest.mark.integration
 def test_sglang_0514_carries_what_its_hooks_read_and_write(sglang_0514_src):
     def text(module):
         return module_file(sglang_0514_src, module).read_text()
@@ -374,6 +384,7 @@ def test_sglang_0514_carries_what_its_hooks_read_and_write(sglang_0514_src):
     assert "        if self.capture_aux_hidden_states:\n            hidden_states, aux_hidden_states = hidden_states" in llama
 
 
+@pytest.mark.integration
 def test_every_launcher_flag_exists_in_sglang_0514_server_args(sglang_0514_src):
     config = {"run": "smol", "target": {"name": "SmolLM2", "path": "/m", "num_layers": 30, "hidden_size": 576},
               "extract": {"layer_ids": "default", "sglang": {"architecture": "LlamaForCausalLM"}}}
@@ -391,6 +402,7 @@ def pinned_0514(src, key, namespace=None):
                                                                               "Req": object, **(namespace or {})})
 
 
+@pytest.mark.integration
 def test_sglang_0514_hooks_spool_aux_and_final_rows_of_each_request(sglang_0514_src, tmp_path):
     mode = pinned_capture_hidden_mode(sglang_0514_src)
     store = sglang_patch.make_hidden_states_to_store_0514(pinned_0514(sglang_0514_src, "hidden_states_to_store", {"torch": torch}))
@@ -431,6 +443,7 @@ def test_sglang_0514_hooks_spool_aux_and_final_rows_of_each_request(sglang_0514_
     assert last_req.hidden_states == [final[:3].tolist()] and last_req.customized_info is None
 
 
+@pytest.mark.integration
 def test_sglang_0514_runner_captures_our_layers_without_a_draft(sglang_0514_src):
     set_eagle3 = pinned_function(sglang_0514_src, "sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture",
                                  {"Optional": typing.Optional, "List": typing.List})

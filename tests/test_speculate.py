@@ -318,6 +318,7 @@ def assert_lossless_on_smollm2(target, tokenizer, drafter, max_new_tokens=16):
     return speculate.acceptance_stats(sum((r.accepted for r in traces), []), sum((r.draft_depths for r in traces), []))
 
 
+@pytest.mark.workflow
 def test_greedy_is_lossless_on_smollm2_with_an_untrained_drafter(smollm2, tmp_path):
     target, tokenizer = smollm2
     vocab = sparse_draft_vocab(target.config.vocab_size, every=6)
@@ -334,6 +335,7 @@ def trained_drafters() -> list[Path]:
     return sorted(p.parent for p in REPO.glob("results/*/train/drafter/model.safetensors"))
 
 
+@pytest.mark.workflow
 @pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
 def test_greedy_is_lossless_on_smollm2_with_the_trained_drafter(smollm2):
     target, tokenizer = smollm2
@@ -421,6 +423,7 @@ def test_replay_refuses_a_reference_without_lookahead(tiny_pair):
         replay.replay_greedy(target, drafter, [5, 6, 7], reference.tokens[:1], speculate.Drafting(3, 1, 4), 12, [])
 
 
+@pytest.mark.workflow
 @pytest.mark.skipif(not trained_drafters(), reason="no trained drafter: run the demo or set EAGLENEST_TRAINED_DRAFTER")
 def test_replay_gives_the_decoders_cycles_on_smollm2_with_the_trained_drafter(smollm2):
     target, tokenizer = smollm2

@@ -437,6 +437,7 @@ def test_warm_start_begins_at_the_earlier_drafter_s_weights_and_is_its_own_run(t
         train.train(**arguments(tiny_run, fresh, epochs=1, lr=1e-20, init_from=str(earlier)))
 
 
+@pytest.mark.integration
 def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(tiny_run, tmp_path):
     summary = train.train(**arguments(tiny_run, tmp_path, epochs=2))
     keys = ("index_path", "draft_vocab_path", "split_path", "target_path")
@@ -486,6 +487,7 @@ def final_weights(directory: Path) -> dict:
     return load_file(str(directory / "model.safetensors"))
 
 
+@pytest.mark.integration
 def test_run_killed_with_sigkill_resumes_to_bitwise_identical_weights(tiny_run, tmp_path):
     settings = {"epochs": 6, "checkpoint_every": 3, "keep_checkpoints": 3}
     whole = arguments(tiny_run, tmp_path / "whole", **settings)
@@ -553,6 +555,7 @@ def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
     assert re.search(r'objective="([^"]+)"', rule).group(1) == train.OBJECTIVE
 
 
+@pytest.mark.workflow
 def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(tiny_llama, tmp_path):
     from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
 
@@ -602,6 +605,7 @@ def test_head_soft_cross_entropy_equals_autograd_of_the_plain_formula(chunk_rows
         torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)  # float32 inside
 
 
+@pytest.mark.integration
 def test_compiled_loss_chunk_equals_the_eager_chunk_for_any_row_count():
     """train.compile runs a loss chunk's elementwise part (draft_loss.soft_ce_chunk_per_row: the
     loss, the hits, the gradient in the logits' bf16) compiled, for every row count alike. Compiled here by inductor on the CPU: the same hits, the loss within float32

@@ -20,6 +20,8 @@ from conftest import (
 from eaglenest.formats import atomic
 from eaglenest.stages import prepare
 
+pytestmark = pytest.mark.workflow
+
 SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
 # The crash and corruption tests concern the data half; stopping there keeps them short.
 DATA_HALF = ("hidden_states",)

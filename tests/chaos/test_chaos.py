@@ -11,7 +11,8 @@ import pytest
 
 from support import chaos
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.workflow
+
 
 # One of each kind of server trouble: it dies, it is slow, it answers wrongly, it is not ours.
 CI_SERVER_FAULTS = ["server_killed_mid_shard", "server_slow", "server_shape_mismatch", "server_vllm"]

@@ -61,6 +61,7 @@ def test_a_checkpoint_without_a_recorded_checksum_is_not_resumed(tmp_path):
     assert train.load_latest_checkpoint(tmp_path / "ck", "f")["step"] == 3
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_while_checkpointing_names_the_file_and_keeps_the_last_good_one(tmp_path):
     directory = tmp_path / "ck"

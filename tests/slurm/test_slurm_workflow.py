@@ -58,6 +58,7 @@ def test_profile_keeps_the_default_rerun_policy_and_leaves_cluster_names_to_the_
         assert key not in str(slurm["set-resources"]), key
 
 
+@pytest.mark.workflow
 def test_default_pipeline_completes_through_slurm_in_the_partition_from_the_environment(slurm_run):
     workdir, config, result, jobs = slurm_run
     assert sorted(p.name for p in hidden_dir(workdir).iterdir()) == SHARDS
@@ -75,6 +76,7 @@ def test_default_pipeline_completes_through_slurm_in_the_partition_from_the_envi
     assert planned_through_slurm(workdir, config) == {}
 
 
+@pytest.mark.workflow
 def test_each_concurrent_extraction_job_gets_its_own_gpu_from_slurm(slurm_run):
     workdir, _, _, jobs = slurm_run
     seen = {}
@@ -99,6 +101,7 @@ def test_each_concurrent_extraction_job_gets_its_own_gpu_from_slurm(slurm_run):
         assert seen[a] != seen[b], f"Slurm jobs {a} and {b} ran at the same time on GPU {seen[a]}"
 
 
+@pytest.mark.workflow
 def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_cluster, tmp_path_factory, tiny_llama):
     workdir, config = new_slurm_workdir(tmp_path_factory, tiny_llama, "slurm-dry-run")
     jobs_before = set(finished_jobs())
@@ -117,6 +120,7 @@ def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_c
     assert not (workdir / "results").exists()
 
 
+@pytest.mark.workflow
 def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard(slurm_run, tmp_path_factory):
     # A copy of the finished run (mtimes kept) without anything from extraction on: the same
     # jobs from there as in a fresh run, without waiting for ingest and prepare through Slurm again.
