@@ -163,8 +163,12 @@ def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, s
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and process.poll() is None:
             done = [name for name, path in parts.items() if path.exists()]
-            if done and len(done) < len(parts) and any(
-                    "standin_server.py" in cmdline for cmdline in processes_mentioning(str(spool)).values()):
+            # The launcher of a setting not measured yet runs (its --config-json names the spool):
+            # the finished setting's group is done, the next one's server is up or starting.
+            launchers = processes_mentioning(str(spool)).values()
+            running = [name for name in parts if name not in done
+                       and any(f"evaluate/{name}.json" in cmdline for cmdline in launchers)]
+            if done and running:
                 os.killpg(process.pid, signal.SIGKILL)  # Snakemake, its jobs and the launcher
                 killed = True
                 break
@@ -174,7 +178,11 @@ def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, s
             os.killpg(process.pid, signal.SIGKILL)
         output = process.communicate(timeout=60)[0]
     assert killed, f"never saw one setting measured while another's server ran:\n{output[-4000:]}\n{run_logs(tmp_path)}"
-    assert wait_for(lambda: not processes_mentioning(str(spool))), "a server outlived the kill"
+    # The servers are in sessions of their own, out of reach of the kill; they die with their launchers.
+    server_pids = [json.loads(path.read_text())["pid"]
+                   for path in (tmp_path / "logs" / "tiny" / "sglang" / "evaluate").glob("*/server.json")]
+    assert wait_for(lambda: not processes_mentioning(str(spool)) and not any(alive(pid) for pid in server_pids)), \
+        "a server outlived the kill"
     finished = {name: path.read_bytes() for name, path in parts.items() if path.exists()}
     missing = [name for name in parts if name not in finished]
     assert missing
@@ -191,6 +199,14 @@ def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, s
         assert "ready: " in (logs / name / "launcher.log").read_text()
     assert json.loads((tmp_path / "results" / "tiny" / "evaluate" / "summary.json").read_text())["lossless"] is True
     assert planned_jobs(tmp_path, configfile, SUMMARY) == {}
+
+
+def alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\nState:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
 
 
 def wait_for(predicate, timeout: float = 30) -> bool:
