@@ -150,7 +150,9 @@ LAUNCHER_SHELL = (
     "> {log.launcher:q} 2>&1"
 )
 # Rule evaluate_server: the same, with the setting's EAGLE-3 flags (none for the plain server).
-EVAL_LAUNCHER_SHELL = LAUNCHER_SHELL.replace("> {log.launcher:q}", "{params.speculation} > {log.launcher:q}")
+EVAL_LAUNCHER_SHELL = LAUNCHER_SHELL.replace(
+    "> {log.launcher:q}", "{params.speculation} > {log.launcher:q}"
+)
 
 
 def extract_threads():
@@ -404,7 +406,7 @@ def evaluation_server_drafting(wildcards):
 
 
 def evaluation_server_speculation(wildcards, input, output):
-    """The launcher's speculative flags of rule evaluate_server (of the output: untracked)."""
+    """The launcher's speculative flags for rule evaluate_server, derived from the output, so untracked."""
     if wildcards.setting == PLAIN_SERVER:
         return ""
     drafting = json.dumps(drafting_configs()[wildcards.setting])
@@ -417,7 +419,8 @@ def evaluation_server_speculation(wildcards, input, output):
 
 def evaluation_parts(wildcards):
     """What one eval set x drafting configuration's metrics are merged from: its chunk files
-    (evaluate.prompt_chunks), or with backend sglang its server's file and the plain server's."""
+    (evaluate.prompt_chunks), or with backend sglang its server's file and the plain server's.
+    """
     if EVAL_SERVERS:
         return [
             evaluation_server_part_path(wildcards.eval_set, wildcards.drafting),
