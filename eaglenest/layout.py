@@ -125,6 +125,11 @@ class RunLayout:
         """The service record of the one server all regenerate jobs use (rule regenerate_server)."""
         return self.run_path("sglang", "regenerate.json")
 
+    def evaluate_server_record(self, setting: str) -> str:
+        """The service record of the evaluation server of one drafting setting, or of the plain
+        one (rule evaluate_server)."""
+        return self.run_path("sglang", "evaluate", f"{setting}.json")
+
     # ---- later stages ----------------------------------------------------------------------
 
     def consolidated(self, name: str) -> str:

@@ -1,6 +1,7 @@
 # Helpers and input functions for every rule; rule files hold rules only.
 import json
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -148,6 +149,10 @@ LAUNCHER_SHELL = (
     "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "
     "> {log.launcher:q} 2>&1"
 )
+# Rule evaluate_server: the same, with the setting's EAGLE-3 flags (none for the plain server).
+EVAL_LAUNCHER_SHELL = LAUNCHER_SHELL.replace(
+    "> {log.launcher:q}", "{params.speculation} > {log.launcher:q}"
+)
 
 
 def extract_threads():
@@ -173,6 +178,8 @@ def untracked_param(value):
 
 def server_state_dir(wildcards, output):
     # Of the output too, like untracked_param: where the logs go is no reason to rerun.
+    if "setting" in wildcards.keys():
+        return log_path("sglang", "evaluate", wildcards.setting)
     if "block" not in wildcards.keys():
         return log_path("sglang", "regenerate")
     return log_path("sglang", f"block-{wildcards.block}")
@@ -338,8 +345,87 @@ def reference_lookahead():
     return max(drafting["steps"] for drafting in drafting_configs().values())
 
 
+# evaluate.backend sglang: SGLang fixes the drafting setting at launch, so one server per
+# setting of evaluate.drafting serves it with the run's SGLang export as its EAGLE-3 draft
+# model, and one plain server the baseline (rule evaluate_server); each is a service grouped
+# with its evaluation jobs, one per eval set (rule evaluate_sglang). A rerun starts servers
+# only for settings with an eval set left to measure.
+EVAL_SERVERS = config["evaluate"]["backend"] == "sglang"
+EVAL_SERVER_STARTED = EVAL_SERVERS and config["evaluate"]["sglang"]["start_server"]
+EVAL_SERVER_GROUP = "evaluate_node" if EVAL_SERVER_STARTED else None
+PLAIN_SERVER = "plain"
+if EVAL_SERVERS and config["evaluate"]["temperature"] != 0:
+    raise ValueError(
+        "evaluate.backend sglang measures greedy decoding (lossless against the plain server): "
+        "set evaluate.temperature: 0"
+    )
+
+
+def eval_server_settings():
+    """The evaluation servers: the plain one and one per drafting setting."""
+    return [PLAIN_SERVER, *drafting_configs()]
+
+
+def eval_server_setting_pattern():
+    return "|".join(re.escape(name) for name in eval_server_settings())
+
+
+def evaluation_export():
+    """The SGLang export the evaluation servers draft with: evaluate.drafter when set (an
+    SGLang export), else the one this run's export stage writes."""
+    return config["evaluate"].get("drafter") or LAYOUT.export_path("sglang")
+
+
+def evaluation_server_part_path(eval_set, setting):
+    return evaluation_path(eval_set, setting, "server.json")
+
+
+def evaluation_server_input(wildcards):
+    """An evaluation job's server as a named input (see block_server), or none."""
+    if not EVAL_SERVER_STARTED:
+        return {}
+    return {"server": service(LAYOUT.evaluate_server_record(wildcards.setting))}
+
+
+def evaluation_server_url(wildcards):
+    """evaluate.sglang.start_server false: the URL of the server started by hand."""
+    if EVAL_SERVER_STARTED:
+        return None
+    return config["evaluate"]["sglang"]["urls"].get(wildcards.setting)
+
+
+def evaluation_server_drafter(wildcards):
+    """What a setting's server drafts with, as an input: none for the plain one."""
+    if wildcards.setting == PLAIN_SERVER:
+        return {}
+    return {"drafter": evaluation_export()}
+
+
+def evaluation_server_drafting(wildcards):
+    return drafting_configs().get(wildcards.setting)
+
+
+def evaluation_server_speculation(wildcards, input, output):
+    """The launcher's speculative flags for rule evaluate_server, derived from the output, so untracked."""
+    if wildcards.setting == PLAIN_SERVER:
+        return ""
+    drafting = json.dumps(drafting_configs()[wildcards.setting])
+    extra = json.dumps(config["evaluate"]["sglang"]["extra_args"])
+    return (
+        f"--drafting-json {shlex.quote(drafting)} --draft-model {shlex.quote(input.drafter)} "
+        f"--draft-extra-args-json {shlex.quote(extra)}"
+    )
+
+
 def evaluation_parts(wildcards):
-    """The chunk files of one eval set x drafting configuration (evaluate.prompt_chunks)."""
+    """What one eval set x drafting configuration's metrics are merged from: its chunk files
+    (evaluate.prompt_chunks), or with backend sglang its server's file and the plain server's.
+    """
+    if EVAL_SERVERS:
+        return [
+            evaluation_server_part_path(wildcards.eval_set, wildcards.drafting),
+            evaluation_server_part_path(wildcards.eval_set, PLAIN_SERVER),
+        ]
     return [
         evaluation_part_path(wildcards.eval_set, wildcards.drafting, chunk)
         for chunk in range(config["evaluate"]["prompt_chunks"])

@@ -3,6 +3,8 @@
 # lossless check, report.
 # evaluate.method replay: the target's greedy output decoded once per chunk (evaluate_reference)
 # and every drafting setting replayed on it.
+# evaluate.backend sglang: one SGLang server per drafting setting and a plain one
+# (evaluate_server), each measured on every eval set (evaluate_sglang).
 
 
 rule fetch_eval_mt_bench:
@@ -114,6 +116,73 @@ rule evaluate_drafting:
         method=config["evaluate"]["method"],
     script:
         "../scripts/evaluate_drafting.py"
+
+
+# One SGLang server per drafting setting (its EAGLE-3 draft model the run's SGLang export) and
+# one plain server (rule evaluate_server, the launcher in serve mode): a service grouped with
+# its setting's evaluate_sglang jobs, started with them and stopped when the last is done. A
+# setting whose eval sets are all measured has no consumer left, so a rerun starts none.
+rule evaluate_server:
+    input:
+        unpack(evaluation_server_drafter),
+    output:
+        service(LAYOUT.evaluate_server_record("{setting}")),
+    log:
+        launcher=log_path("sglang", "evaluate", "{setting}", "launcher.log"),
+        server=log_path("sglang", "evaluate", "{setting}", "server.log"),
+    wildcard_constraints:
+        setting=eval_server_setting_pattern(),
+    group:
+        "evaluate_node"
+    conda:
+        "../envs/sglang.yaml"
+    threads: 1
+    resources:
+        gpu=config["target"]["tensor_parallel"],
+    params:
+        state_dir=server_state_dir,
+        config_json=untracked_param(server_launch_config()),
+        python=untracked_param(launcher_python()),
+        repo=untracked_param(workflow.basedir),
+        mode=untracked_param("serve"),
+        speculation=evaluation_server_speculation,
+    shell:
+        EVAL_LAUNCHER_SHELL
+
+
+# One eval set through one server: every prompt at each evaluate.sglang.concurrency, greedy.
+rule evaluate_sglang:
+    input:
+        unpack(evaluation_server_input),
+        prompts=lambda wildcards: eval_set_path(wildcards.eval_set),
+        target=target_model_input(),
+    output:
+        part=evaluation_server_part_path("{eval_set}", "{setting}"),
+    log:
+        log_path("evaluate", "{eval_set}", "{setting}", "server.log"),
+    benchmark:
+        benchmark_path("evaluate", "{eval_set}", "{setting}", "server.tsv")
+    wildcard_constraints:
+        eval_set=eval_set_pattern(),
+        setting=eval_server_setting_pattern(),
+    group:
+        EVAL_SERVER_GROUP
+    conda:
+        "../envs/eaglenest.yaml"
+    # A client of its server mostly waits on it (see extract_threads).
+    threads: 0 if EVAL_SERVER_STARTED else 1
+    params:
+        target_name=config["target"]["name"],
+        drafting=evaluation_server_drafting,
+        drafter=lambda wildcards: (
+            "" if wildcards.setting == PLAIN_SERVER else evaluation_export()
+        ),
+        num_prompts=eval_set_num_prompts,
+        max_new_tokens=config["evaluate"]["max_new_tokens"],
+        concurrency=config["evaluate"]["sglang"]["concurrency"],
+        url=evaluation_server_url,
+    script:
+        "../scripts/evaluate_sglang.py"
 
 
 rule evaluate_merge:

@@ -29,7 +29,7 @@ SHARED_UNITS = {
     "test_recon": "finished_tiny_run",
 }
 LONGEST_FIRST = ["slurm", "test_chaos", "test_e2e_smollm2", "finished_tiny_run", "test_regenerate",
-                 "test_sglang_service", "test_sglang_launch", "test_train", "test_evaluate", "test_export"]
+                 "test_sglang_service", "test_sglang_launch", "test_train", "test_evaluate", "test_evaluate_sglang", "test_export"]
 
 
 def work_unit(path: str | Path) -> str:

@@ -224,8 +224,10 @@ def test_kimi_dry_run_plans_one_eight_gpu_server_per_block_of_shards(tmp_path):
     counts = planned_jobs(tmp_path, kimi)
     assert counts["sglang_server"] == 30 and counts["extract_hidden_states"] == 240
 
-    groups = planned_group_jobs(SNAKEFILE, tmp_path, kimi, REPO / "profiles" / "slurm")
+    every_group = planned_group_jobs(SNAKEFILE, tmp_path, kimi, REPO / "profiles" / "slurm")
+    groups = [group for group in every_group if group["group"] == "sglang_node"]
     assert len(groups) == 30
+    assert_kimi_evaluation_servers(counts, [group for group in every_group if group["group"] != "sglang_node"])
     blocks = set()
     for group in groups:
         assert group["group"] == "sglang_node"
@@ -243,6 +245,25 @@ def test_kimi_dry_run_plans_one_eight_gpu_server_per_block_of_shards(tmp_path):
         assert group["resources"]["runtime"] == 720
         assert group["threads"] == 1  # clients count no threads: plannable with one core
     assert blocks == set(range(30))
+
+
+KIMI_SETTINGS = {"plain", "steps3-topk1-tokens4", "steps7-topk1-tokens8", "steps6-topk10-tokens60"}
+
+
+def assert_kimi_evaluation_servers(counts: dict, groups: list[dict]) -> None:
+    """evaluate.backend sglang: one 8-GPU server per drafting setting and a plain one, each one
+    group job with its setting's two eval sets (MT-bench, HumanEval) as clients."""
+    assert counts["evaluate_server"] == 4 and counts["evaluate_sglang"] == 8 and counts["evaluate_merge"] == 6
+    assert {group["group"] for group in groups} == {"evaluate_node"} and len(groups) == 4
+    settings = set()
+    for group in groups:
+        (server,) = [job for job in group["jobs"] if job["rule"] == "evaluate_server"]
+        clients = [job for job in group["jobs"] if job["rule"] == "evaluate_sglang"]
+        settings.add(server["wildcards"]["setting"])
+        assert {job["wildcards"]["setting"] for job in clients} == {server["wildcards"]["setting"]}
+        assert sorted(job["wildcards"]["eval_set"] for job in clients) == ["humaneval", "mt_bench"]
+        assert server["resources"]["gpu"] == 8 and group["resources"]["gpu"] == 8 and group["threads"] == 1
+    assert settings == KIMI_SETTINGS
 
 
 @pytest.mark.workflow

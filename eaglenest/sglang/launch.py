@@ -26,6 +26,13 @@ server only, with the capture settings in ``EAGLENEST_CAPTURE``. A reinstalled s
 or a rebooted node cannot leave an unpatched server behind a healthy port: the client
 and this launcher check ``GET /eaglenest/info``, which only the patch serves.
 
+``--mode serve`` starts a server that generates and captures nothing (rules regenerate_server
+and evaluate_server); with ``--drafting-json`` and ``--draft-model`` it speculates with the
+drafter's SGLang export (``--speculative-algorithm EAGLE3`` and the setting's
+``--speculative-num-steps/--speculative-eagle-topk/--speculative-num-draft-tokens``).
+``EAGLENEST_SGLANG_COMMAND`` replaces ``python -m sglang.launch_server`` in front of the same
+flags (a container wrapper; on a machine without a GPU, a server that reads SGLang's flags).
+
 As a Snakemake service (rule sglang_server, ``--service-file``): the server gets a free
 port and, unless it is the stand-in, GPU slots for its tensor-parallel ranks; the
 launcher publishes its state in the service file (``starting`` with its pid, ``ready``
@@ -45,6 +52,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -63,6 +71,10 @@ from eaglenest import settings as settings_lib
 # PYTHONPATH, so that the capture plugin imports it.
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
+# A command (split like a shell line) that takes the place of ``python -m sglang.launch_server``
+# in front of the same flags: a container wrapper on a node, or a server that reads SGLang's
+# flags on a machine without a GPU.
+SERVER_COMMAND_ENV = "EAGLENEST_SGLANG_COMMAND"
 
 
 def sglang_settings(config: dict) -> dict:
@@ -111,14 +123,38 @@ def capture_settings(config: dict, mode: str = "capture") -> dict:
     }
 
 
+def speculative_flags(speculative: dict) -> list[str]:
+    """SGLang's EAGLE-3 flags for one drafting setting (evaluate.drafting: steps, topk, tokens)
+    with ``draft_model``, an SGLang export of the drafter (eaglenest.stages.export)."""
+    return [
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(speculative["draft_model"]),
+        "--speculative-num-steps", str(speculative["steps"]),
+        "--speculative-eagle-topk", str(speculative["topk"]),
+        "--speculative-num-draft-tokens", str(speculative["tokens"]),
+        *map(str, speculative.get("extra_args", [])),
+    ]
+
+
+def server_program(python: str = sys.executable, environ=os.environ) -> list[str]:
+    """What runs the server: SGLang's launcher, or the command in EAGLENEST_SGLANG_COMMAND."""
+    if environ.get(SERVER_COMMAND_ENV):
+        return shlex.split(environ[SERVER_COMMAND_ENV])
+    return [python, "-m", "sglang.launch_server"]
+
+
 def launch_command(
     config: dict, capture: dict, python: str = sys.executable, url: str | None = None,
-    sglang_version: str = sglang_patch.SGLANG_VERSION,
+    sglang_version: str = sglang_patch.SGLANG_VERSION, speculative: dict | None = None,
 ) -> list[str]:
+    """The server's command line. ``speculative`` (serve mode only): the EAGLE-3 drafter and
+    drafting setting the server speculates with (evaluate.backend sglang)."""
     settings = sglang_settings(config)
     address = urllib.parse.urlsplit(url or settings["url"])
+    if speculative is not None and capture.get("mode") != "serve":
+        raise ValueError("a speculative server generates: launch it in serve mode")
     server = [
-        python, "-m", "sglang.launch_server",
+        *server_program(python),
         "--model-path", str(config["target"]["path"]),
         "--served-model-name", config["target"]["name"],
         "--host", address.hostname or "127.0.0.1",
@@ -129,7 +165,8 @@ def launch_command(
     if capture.get("mode") == "serve":
         # Generation as SGLang serves it by default: the radix cache reuses a conversation's
         # earlier turns, chunked prefill and CUDA graphs as they come.
-        return [*server, *dtype, *map(str, settings["extra_args"])]
+        spec = speculative_flags(speculative) if speculative is not None else []
+        return [*server, *dtype, *map(str, settings["extra_args"]), *spec]
     if sglang_version == "0.5.14":
         # No draft-less aux capture there: the patch sets the capture layers itself
         # (EAGLENEST_CAPTURE), and return_hidden_states needs the server-wide switch.
@@ -494,32 +531,51 @@ def main(argv=None) -> int:
     parser.add_argument("--service-file", default=None, help="run as the workflow's service: publish state here, pick a free port")
     parser.add_argument("--print-command", action="store_true", help="print the server command and settings, start nothing")
     parser.add_argument("--mode", choices=MODES, default="capture",
-                        help="capture: hidden states for extraction (default); serve: generation for the regenerate stage")
+                        help="capture: hidden states for extraction (default); serve: generation for the regenerate "
+                             "and evaluate stages")
+    parser.add_argument("--drafting-json", default=None,
+                        help='serve mode: speculate with this drafting setting, e.g. {"steps": 3, "topk": 1, "tokens": 4}')
+    parser.add_argument("--draft-model", default=None, help="with --drafting-json: the drafter's SGLang export")
+    parser.add_argument("--draft-extra-args-json", default="[]", help="with --drafting-json: more flags, a JSON list")
     options = parser.parse_args(argv)
+    if (options.drafting_json is None) != (options.draft_model is None):
+        parser.error("--drafting-json and --draft-model go together")
+    speculative = None
+    if options.drafting_json is not None:
+        speculative = {**json.loads(options.drafting_json), "draft_model": options.draft_model,
+                       "extra_args": json.loads(options.draft_extra_args_json)}
     config = json.loads(options.config_json) if options.config_json else yaml.safe_load(Path(options.configfile).read_text())
     state_dir = Path(options.state_dir or Path("logs") / config["run"] / "sglang")
     try:
         settings = sglang_settings(config)
         capture = capture_settings(config, options.mode)
         url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
+        if settings["standin"] and speculative is not None:
+            raise ValueError(
+                "extract.sglang.standin starts a stand-in that does not speculate; set extract.sglang.standin: null "
+                f"and name a server command that reads SGLang's flags in {SERVER_COMMAND_ENV} instead"
+            )
         if settings["standin"]:
             command_for = functools.partial(standin_command, settings["standin"], capture)
         else:
             # The flags depend on the sglang of this env; without one, the pinned version's.
             version = installed_sglang_version() or sglang_patch.SGLANG_VERSION
-            command_for = lambda server_url: launch_command(config, capture, url=server_url, sglang_version=version)  # noqa: E731
+            command_for = lambda server_url: launch_command(  # noqa: E731
+                config, capture, url=server_url, sglang_version=version, speculative=speculative)
         if options.print_command:
             print(" ".join(command_for(url)))
             print(f"{sglang_patch.SETTINGS_ENV}={json.dumps(capture)}")
             return 0
-        if not settings["standin"]:
+        if not settings["standin"] and not os.environ.get(SERVER_COMMAND_ENV):
             check_sglang_version()
     except BaseException as err:  # the shard jobs waiting on the service file learn why at once
         if options.service_file:
             write_service_record(options.service_file, "failed", error=str(err) or type(err).__name__)
         raise
-    # A service holds the GPUs it runs on; the stand-in computes on the CPU.
-    gpus = capture["tensor_parallel"] if options.service_file and not settings["standin"] else 0
+    # A service holds the GPUs it runs on; the stand-in computes on the CPU, and so does a
+    # server command of EAGLENEST_SGLANG_COMMAND on a node without GPUs.
+    on_cpu = settings["standin"] or (os.environ.get(SERVER_COMMAND_ENV) and not gpu_slots.node_devices())
+    gpus = capture["tensor_parallel"] if options.service_file and not on_cpu else 0
     return serve(
         config, state_dir, command_for=command_for, url=url, service_file=options.service_file, gpus=gpus,
         repick_port=bool(options.service_file), mode=options.mode,

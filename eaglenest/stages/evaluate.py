@@ -362,7 +362,12 @@ def metrics_from_parts(parts: list[dict]) -> dict:
 
 
 def merge_parts(part_paths: list[str | os.PathLike], metrics_path: str | os.PathLike) -> dict:
-    metrics = metrics_from_parts([json.loads(Path(p).read_text()) for p in part_paths])
+    parts = [json.loads(Path(p).read_text()) for p in part_paths]
+    if any(part.get("backend") == "sglang" for part in parts):  # a setting's server and the plain one
+        from eaglenest.stages import evaluate_server
+
+        return evaluate_server.merge_server_parts(parts, metrics_path)
+    metrics = metrics_from_parts(parts)
     atomic.write_json(metrics_path, metrics)
     log.info("%s x %s (%s): tau %.3f over %d prompts, acceptance by position %s, speedup %s, lossless %s",
              metrics["eval_set"], metrics["drafting"]["name"], metrics["method"], metrics["tau"], metrics["prompts"],
@@ -392,20 +397,28 @@ def summary_rows(metrics: list[dict]) -> list[dict]:
             "acceptance_by_position": m["acceptance_by_position"],
             "speedup": m["speedup"], "speculative_tokens_per_second": m["speculative_tokens_per_second"],
             "target_tokens_per_second": m["target_tokens_per_second"], "lossless": m["lossless"],
+            # Backend sglang: the server's figures at each concurrency (the first is the headline).
+            "backend": m.get("backend", "transformers"), "concurrency": m.get("concurrency"),
+            "server_accept_length": m.get("server_accept_length"), "by_concurrency": m.get("by_concurrency", []),
         })
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
+    # Columns after lossless came with the SGLang backend; readers of the first ten are unchanged.
     header = ["eval_set", "drafting", "method", "prompts", "tau", "acceptance_by_position", "speedup",
-              "spec_tok_per_s", "target_tok_per_s", "lossless"]
+              "spec_tok_per_s", "target_tok_per_s", "lossless", "backend", "concurrency", "server_accept_length",
+              "speedup_by_concurrency"]
     lines = ["\t".join(header)]
     for r in rows:
         acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
+        by_concurrency = " ".join(f"{c['concurrency']}:{_number(c['speedup'], 2)}" for c in r.get("by_concurrency", []))
         lines.append("\t".join([
-            r["eval_set"], r["drafting"], r["method"], str(r["prompts"]), f"{r['tau']:.3f}", acceptance,
+            r["eval_set"], r["drafting"], r["method"], str(r["prompts"]), _number(r["tau"], 3), acceptance,
             _number(r["speedup"], 2), _number(r["speculative_tokens_per_second"]),
-            _number(r["target_tokens_per_second"]), str(r["lossless"]),
+            _number(r["target_tokens_per_second"]), str(r["lossless"]), r.get("backend", "transformers"),
+            "-" if r.get("concurrency") is None else str(r["concurrency"]),
+            _number(r.get("server_accept_length"), 3), by_concurrency or "-",
         ]))
     return "\n".join(lines) + "\n"
 

@@ -18,6 +18,15 @@ like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the p
 ``--chat-fail-first N`` answers the first N chat requests with 503 (a server warming up),
 ``--chat-fail-containing TEXT`` answers 500 to every chat request whose user turns contain TEXT.
 
+Serving (``--mode serve``), ``POST /generate`` decodes greedily: with the target alone, or, given
+SGLang's EAGLE-3 flags (``--speculative-algorithm EAGLE3 --speculative-draft-model-path EXPORT
+--speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens N``), by
+speculative decoding with the drafter export and eaglenest.model.speculate, and reports the cycles
+in ``meta_info`` under SGLang 0.5.23's keys (``spec_verify_ct``, ``spec_num_correct_drafts``,
+``spec_accept_length``, ``spec_correct_drafts_histogram``). It reads SGLang's own flag names
+(``--model-path``, ``--served-model-name``; others it does not model are ignored), so the launcher
+can run it with the command line it builds for SGLang (EAGLENEST_SGLANG_COMMAND).
+
     python tests/support/standin_server.py --model DIR --target NAME --port 30000
 """
 
@@ -40,12 +49,21 @@ from eaglenest.sglang import patch as sglang_patch, spool
 class StandinModel:
     """The target and the settings the patched server would have been launched with."""
 
-    def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str, mode: str | None = None):
+    def __init__(self, model_path: str, target: str, layer_ids, spool_dir: str, mode: str | None = None,
+                 draft_model: str | None = None, drafting: dict | None = None):
         import torch
 
         from eaglenest.target import runtime as target_runtime
 
         self.model = target_runtime.load_target(model_path, "cpu", "float32")
+        self.drafting = None
+        if draft_model is not None:
+            from eaglenest.model import speculate
+            from eaglenest.stages import export
+
+            drafter = export.load_any_drafter(draft_model, model_path).to(torch.float32).eval()
+            self.decoder = speculate.SpeculativeDecoder(self.model, drafter)
+            self.drafting = speculate.Drafting.from_dict(drafting)
         self.torch = torch
         self.target_runtime = target_runtime
         num_layers = self.model.config.num_hidden_layers
@@ -64,6 +82,35 @@ class StandinModel:
             # What the launcher put in the capture settings, as the patch reads it.
             "launch_token": (sglang_patch.settings_from_env() or {}).get("launch_token"),
             "mode": mode or (sglang_patch.settings_from_env() or {}).get("mode", "capture"),
+        }
+
+    def decode(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        """Greedy output ids and SGLang's speculative meta_info fields (none without a drafter).
+
+        As SGLang counts them (sglang/srt/managers/scheduler_components/batch_result_processor.py:
+        832-836 in 0.5.23): one verify step per cycle, the drafts each accepted (the bonus
+        excluded, a run past a stop included), and spec_accept_length = completion tokens over
+        verify steps (tokenizer_manager.py:3166-3168), the prefill's first token included."""
+        from eaglenest.model import speculate
+
+        with self.lock:
+            if self.drafting is None:
+                eos = speculate.target_eos_ids(self.model)
+                return speculate.target_decode(self.model, input_ids, max_new_tokens, eos).tokens, {}
+            result = self.decoder.generate(input_ids, self.drafting, max_new_tokens, 0.0)
+        if not result.cycles:
+            return result.tokens, {}
+        histogram = [0] * (max(result.accepted) + 1)
+        for accepted in result.accepted:
+            histogram[accepted] += 1
+        proposed = result.cycles * (self.drafting.tokens - 1)
+        return result.tokens, {
+            "spec_verify_ct": result.cycles,
+            "spec_num_correct_drafts": sum(result.accepted),
+            "spec_num_proposed_drafts": proposed,
+            "spec_accept_rate": sum(result.accepted) / proposed,
+            "spec_accept_length": len(result.tokens) / result.cycles,
+            "spec_correct_drafts_histogram": histogram,
         }
 
     def prefill(self, input_ids: list[int]):
@@ -120,6 +167,8 @@ def make_handler(options, state: dict):
                 os._exit(3)  # a crash: no answer, no cleanup, the port closes
             if options.delay_s:
                 time.sleep(options.delay_s)
+            if state["model"].settings["mode"] == "serve":
+                return self._generate(request)
             input_ids, rids = request.get("input_ids"), request.get("rid")
             batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
             samples = list(zip(input_ids, rids)) if batch and isinstance(rids, list) and len(rids) == len(input_ids) else (
@@ -128,6 +177,23 @@ def make_handler(options, state: dict):
                 return self._send(400, {"error": {"message": "need input_ids (a list of ints, or of such lists) and rid (one per sample)"}})
             answers = [self._prefill(ids, rid, request.get("return_hidden_states") is True) for ids, rid in samples]
             return self._send(200, answers if batch else answers[0])
+
+        def _generate(self, request):
+            """One prompt of a /generate request of a serving SGLang: greedy decoding of token ids."""
+            input_ids, sampling = request.get("input_ids"), request.get("sampling_params") or {}
+            if not isinstance(input_ids, list) or not input_ids or not all(isinstance(i, int) for i in input_ids):
+                return self._send(400, {"error": {"message": "need input_ids, a list of ints (one prompt)"}})
+            if float(sampling.get("temperature", 1.0)) != 0:
+                return self._send(400, {"error": {"message": "the stand-in decodes greedily only (temperature 0)"}})
+            max_new_tokens = int(sampling.get("max_new_tokens", 128))
+            began = time.perf_counter()
+            output_ids, spec = state["model"].decode(input_ids, max_new_tokens)
+            finish = ({"type": "length", "length": max_new_tokens} if len(output_ids) >= max_new_tokens
+                      else {"type": "stop", "matched": output_ids[-1]})
+            meta = {"id": request.get("rid") or f"req-{time.monotonic_ns()}", "prompt_tokens": len(input_ids),
+                    "completion_tokens": len(output_ids), "finish_reason": finish,
+                    "e2e_latency": time.perf_counter() - began, **spec}
+            return self._send(200, {"text": "", "output_ids": output_ids, "meta_info": meta})
 
         def _prefill(self, input_ids, rid, return_hidden_states):
             """One sample of a /generate request, as the patched server answers it."""
@@ -194,7 +260,14 @@ def chat_generator(options):
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
              "writer": spool.SpoolWriter(2)}
-    state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir, options.mode)
+    if options.speculative_algorithm not in (None, "EAGLE3"):
+        raise SystemExit(f"the stand-in speculates with EAGLE3 only, not {options.speculative_algorithm}")
+    drafting = None
+    if options.speculative_algorithm == "EAGLE3":
+        drafting = {"steps": options.speculative_num_steps, "topk": options.speculative_eagle_topk,
+                    "tokens": options.speculative_num_draft_tokens}
+    state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir, options.mode,
+                                  draft_model=options.speculative_draft_model_path, drafting=drafting)
     server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
     server.daemon_threads = True
     port = server.server_address[1]
@@ -208,8 +281,14 @@ def serve(options) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="transformers model directory")
-    parser.add_argument("--target", required=True, help="target name the server reports")
+    parser.add_argument("--model", "--model-path", dest="model", required=True, help="transformers model directory")
+    parser.add_argument("--target", "--served-model-name", dest="target", required=True,
+                        help="target name the server reports")
+    parser.add_argument("--speculative-algorithm", default=None, help="EAGLE3: decode speculatively (serve mode)")
+    parser.add_argument("--speculative-draft-model-path", default=None, help="the drafter's SGLang export")
+    parser.add_argument("--speculative-num-steps", type=int, default=None)
+    parser.add_argument("--speculative-eagle-topk", type=int, default=None)
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     parser.add_argument("--layer-ids", nargs="*", type=int, default=None, help="HF-convention aux layers (default [2, N//2, N-3])")
     parser.add_argument("--spool-dir", default=sglang_patch.DEFAULT_SPOOL_DIR)
     parser.add_argument("--host", default="127.0.0.1")
@@ -225,8 +304,14 @@ def parse_args(argv=None):
     parser.add_argument("--mode", choices=["capture", "serve"], default=None,
                         help="what /eaglenest/info says the server was started for (default: the launcher's settings, else capture)")
     parser.add_argument("--verbose", action="store_true")
-    options = parser.parse_args(argv)
+    # SGLang's flags that only tune a GPU server (--tp-size, --dtype, ...): nothing to model here.
+    options, ignored = parser.parse_known_args(argv)
+    if ignored:
+        print(f"stand-in: ignoring SGLang flags {ignored}", file=sys.stderr, flush=True)
     options.layer_ids = options.layer_ids or None
+    if options.speculative_algorithm and None in (options.speculative_draft_model_path, options.speculative_num_steps,
+                                                 options.speculative_eagle_topk, options.speculative_num_draft_tokens):
+        parser.error("--speculative-algorithm EAGLE3 needs the draft model path, steps, topk and draft tokens")
     return options
 
 
