@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from conftest import planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
 from eaglenest.sglang import launch as sglang_launch
 from eaglenest.stages import evaluate_server
 from support import STANDIN_SERVER
