@@ -75,6 +75,18 @@ def pytest_xdist_make_scheduler(config, log):
     return UnitScheduling(config, log)
 
 
+@pytest.fixture(scope="module")
+def sglang_standin():
+    """The launcher starts the stand-in server in place of SGLang (EAGLENEST_SGLANG_COMMAND),
+    for the module's tests and the workflows they run."""
+    from eaglenest.sglang import launch
+    from support import STANDIN_COMMAND
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(launch.SERVER_COMMAND_ENV, STANDIN_COMMAND)
+        yield STANDIN_COMMAND
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return tiny.make_tiny_target(tmp_path_factory.mktemp("tiny-llama") / "model", arch="llama")

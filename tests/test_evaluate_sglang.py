@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,19 +21,10 @@ import yaml
 from conftest import planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
 from eaglenest.sglang import launch as sglang_launch
 from eaglenest.stages import evaluate_server
-from support import STANDIN_SERVER
 from test_sglang_service import assert_no_server_left, processes_mentioning, run_logs
 
-STANDIN = f"{sys.executable} {STANDIN_SERVER}"
 SETTINGS = ("steps2-topk1-tokens3", "steps3-topk1-tokens4")
 SUMMARY = "results/tiny/evaluate/summary.json"
-
-
-@pytest.fixture(scope="module")
-def standin_command():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(sglang_launch.SERVER_COMMAND_ENV, STANDIN)
-        yield STANDIN
 
 
 def sglang_export(workdir: Path, target: Path) -> Path:
@@ -73,7 +63,7 @@ def server_run(workdir: Path, target: Path, spool: Path, **evaluate) -> Path:
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory, tiny_llama, standin_command):
+def evaluated(tmp_path_factory, tiny_llama, sglang_standin):
     workdir = tmp_path_factory.mktemp("evaluate-sglang")
     spool = workdir / "spool"
     configfile = server_run(workdir, tiny_llama, spool)
@@ -154,7 +144,7 @@ def test_the_servers_accept_length_is_the_replay_tau_on_the_same_prompts(evaluat
 
 
 @pytest.mark.workflow
-def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, standin_command):
+def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, sglang_standin):
     spool = tmp_path / "spool"
     configfile = server_run(tmp_path, tiny_llama, spool, sglang={"concurrency": [1]})
     parts = {name: tmp_path / "results" / "tiny" / "evaluate" / "mt_bench" / name / "server.json"

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
-from support import STANDIN_SERVER
+from support import STANDIN_COMMAND
 from eaglenest.stages import extract
 from eaglenest.formats import shards
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
@@ -127,19 +127,20 @@ def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server
     workdir = tmp_path / "work"
     workdir.mkdir()
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
-    sglang = {"standin": str(STANDIN_SERVER), "spool_dir": str(tmp_path / "launcher-spool")}
+    sglang = {"spool_dir": str(tmp_path / "launcher-spool")}
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     service_file = workdir / "block.json"
     service_file.touch()
     script = (
-        "import functools, sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
+        "import sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
         f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
-        f"command_for = functools.partial(launch.standin_command, {str(STANDIN_SERVER)!r}, launch.capture_settings(config));"
+        "command_for = lambda url: launch.launch_command(config, launch.capture_settings(config), url=url);"
         f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), command_for=command_for, url={taken_url!r}, "
         f"service_file={str(service_file)!r}, repick_port=True))"
     )
     launcher = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-c", script], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), sglang_launch.SERVER_COMMAND_ENV: STANDIN_COMMAND},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:

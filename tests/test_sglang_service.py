@@ -26,8 +26,10 @@ from conftest import (
 from eaglenest.stages import extract
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
 from eaglenest.formats import shards
-from support import STANDIN_SERVER
 from support.group_jobs import planned_group_jobs
+
+# The launcher starts the stand-in server in place of SGLang.
+pytestmark = pytest.mark.usefixtures("sglang_standin")
 
 SHARDS = [f"{i:05d}" for i in range(4)]
 BLOCK_OF = {"00000": "00000", "00001": "00000", "00002": "00001", "00003": "00001"}  # 2 shards per server
@@ -40,7 +42,7 @@ def service_run(tmp_path: Path, tiny_llama: Path) -> tuple[Path, Path, Path]:
     workdir = tmp_path / "work"
     workdir.mkdir()
     spool = tmp_path / "spool"  # unique to this test: it marks the test's server processes
-    sglang = {"standin": str(STANDIN_SERVER), "shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
+    sglang = {"shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     return workdir, configfile, spool
 
@@ -65,17 +67,19 @@ def state_dir(workdir: Path, block: str) -> Path:
 
 
 def processes_mentioning(marker: str) -> dict[int, str]:
-    """Live processes (zombies excluded) whose command line contains ``marker``."""
+    """Live processes (zombies excluded) whose command line or environment contains ``marker``
+    (a launched server has its spool directory in its capture settings, EAGLENEST_CAPTURE)."""
     found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         try:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environment = (proc / "environ").read_bytes().decode(errors="replace")
             zombie = "\nState:\tZ" in (proc / "status").read_text()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if marker in cmdline and not zombie:
+        if (marker in cmdline or marker in environment) and not zombie:
             found[int(proc.name)] = cmdline
     return found
 
@@ -280,7 +284,7 @@ def launch_service(tmp_path: Path, model: Path) -> tuple[subprocess.Popen, Path]
     config = {
         "run": "tiny",
         "target": {"name": "tiny-llama", "path": str(model), "num_layers": 7, "hidden_size": 64, "vocab_size": 320},
-        "extract": {"layer_ids": "default", "sglang": {"standin": str(STANDIN_SERVER), "spool_dir": str(tmp_path / "spool")}},
+        "extract": {"layer_ids": "default", "sglang": {"spool_dir": str(tmp_path / "spool")}},
     }
     service_file = tmp_path / "block-00000.json"
     command = [
@@ -330,7 +334,7 @@ def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_
     configfile = tiny_workflow_config(
         workdir, tiny_llama, conversations,
         data={"max_conversations": 20, "samples_per_shard": 10},
-        extract={"sglang": {"standin": str(STANDIN_SERVER), "spool_dir": str(spool)}},
+        extract={"sglang": {"spool_dir": str(spool)}},
         regenerate={"enabled": True, "backend": "openai", "max_new_tokens": 8, "concurrency": 2, "temperature": 0.8,
                     "top_p": 0.95},
     )

@@ -127,6 +127,11 @@ def check_server(
     return info
 
 
+# How long a failed request's other samples may take to land before they are left to the next
+# job's cleanup (remove_leftovers).
+DISCARD_WAIT_S = 10.0
+
+
 class _ShardRequests:
     """Sends one shard's samples, many to a request, and gathers their spooled tensors."""
 
@@ -221,8 +226,29 @@ class _ShardRequests:
             answers = response if isinstance(response, list) else [response]
             if len(answers) != len(samples):
                 raise SglangServerError(f"{self.url} answered {len(answers)} results for {len(samples)} samples ({what})")
-            return [self._collect(index, ids, rid, answer) for (index, ids), rid, answer in zip(samples, rids, answers)]
+            collected = []
+            try:
+                for (index, ids), rid, answer in zip(samples, rids, answers):
+                    collected.append(self._collect(index, ids, rid, answer))
+            except SglangServerError:
+                # The answer's other samples are being spooled still: their files would outlast
+                # the job's cleanup and fill the spool directory.
+                self._discard(rids[len(collected) + 1 :], answers[len(collected) + 1 :])
+                raise
+            return collected
         raise AssertionError("unreachable")
+
+    def _discard(self, rids: list[str], answers: list[dict]) -> None:
+        for rid, answer in zip(rids, answers):
+            for descriptor in (answer.get("meta_info") or {}).get(sglang_patch.SPOOL_KEY) or []:
+                path = Path(descriptor.get("path", "")).resolve()
+                if path.parent != self.spool_dir or descriptor.get("rid") != rid or descriptor.get("error"):
+                    continue
+                try:
+                    spool.wait_for_spooled(path, min(self.spool_timeout_s, DISCARD_WAIT_S))
+                except spool.SpoolError:
+                    pass
+                path.unlink(missing_ok=True)
 
     def _collect(self, index: int, token_ids: list[int], rid: str, response: dict):
         meta = response.get("meta_info") or {}

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import functools
 import json
 import os
 import random
@@ -191,31 +190,10 @@ def launch_command(
     ]
 
 
-def standin_command(script: str, capture: dict, url: str, python: str = sys.executable) -> list[str]:
-    """The stand-in server at ``script`` (extract.sglang.standin, a test tool that speaks the
-    patched server's protocol) with the settings the patched server would get."""
-    if not Path(script).is_file():
-        raise FileNotFoundError(
-            f"extract.sglang.standin names {script}, which is not a file; it is a test tool (the stand-in server "
-            "script of a source checkout); a production run serves the target with SGLang "
-            "(standin: null)"
-        )
-    address = urllib.parse.urlsplit(url)
-    return [
-        python, str(script),
-        "--model", capture["model_path"],
-        "--target", capture["target"],
-        "--layer-ids", *map(str, capture["layer_ids"]),
-        "--spool-dir", capture["spool_dir"],
-        "--host", address.hostname or "127.0.0.1",
-        "--port", str(address.port or 30000),
-    ]
-
-
 # Where a service's port is picked: below the kernel's ephemeral range, from which every
 # outgoing connection (the shard jobs' requests among them) takes its local port. The pick
 # and the server's bind are apart by the server's start-up (the stand-in binds after loading
-# its target: tests/support/standin_server.py, serve); a port from that range could
+# its target); a port from that range could
 # meanwhile become the local end of some connection.
 SERVICE_PORTS_FROM = 10000
 # How often a service starts its server again on another port when the picked one was taken.
@@ -550,31 +528,23 @@ def main(argv=None) -> int:
         settings = sglang_settings(config)
         capture = capture_settings(config, options.mode)
         url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
-        if settings["standin"] and speculative is not None:
-            raise ValueError(
-                "extract.sglang.standin starts a stand-in that does not speculate; set extract.sglang.standin: null "
-                f"and name a server command that reads SGLang's flags in {SERVER_COMMAND_ENV} instead"
-            )
-        if settings["standin"]:
-            command_for = functools.partial(standin_command, settings["standin"], capture)
-        else:
-            # The flags depend on the sglang of this env; without one, the pinned version's.
-            version = installed_sglang_version() or sglang_patch.SGLANG_VERSION
-            command_for = lambda server_url: launch_command(  # noqa: E731
-                config, capture, url=server_url, sglang_version=version, speculative=speculative)
+        # The flags depend on the sglang of this env; without one, the pinned version's.
+        version = installed_sglang_version() or sglang_patch.SGLANG_VERSION
+        command_for = lambda server_url: launch_command(  # noqa: E731
+            config, capture, url=server_url, sglang_version=version, speculative=speculative)
         if options.print_command:
             print(" ".join(command_for(url)))
             print(f"{sglang_patch.SETTINGS_ENV}={json.dumps(capture)}")
             return 0
-        if not settings["standin"] and not os.environ.get(SERVER_COMMAND_ENV):
+        if not os.environ.get(SERVER_COMMAND_ENV):
             check_sglang_version()
     except BaseException as err:  # the shard jobs waiting on the service file learn why at once
         if options.service_file:
             write_service_record(options.service_file, "failed", error=str(err) or type(err).__name__)
         raise
-    # A service holds the GPUs it runs on; the stand-in computes on the CPU, and so does a
-    # server command of EAGLENEST_SGLANG_COMMAND on a node without GPUs.
-    on_cpu = settings["standin"] or (os.environ.get(SERVER_COMMAND_ENV) and not gpu_slots.node_devices())
+    # A service holds the GPUs it runs on; a server command of EAGLENEST_SGLANG_COMMAND on a
+    # node without GPUs (the tests' stand-in) computes on the CPU.
+    on_cpu = bool(os.environ.get(SERVER_COMMAND_ENV)) and not gpu_slots.node_devices()
     gpus = capture["tensor_parallel"] if options.service_file and not on_cpu else 0
     return serve(
         config, state_dir, command_for=command_for, url=url, service_file=options.service_file, gpus=gpus,

@@ -14,13 +14,14 @@ import pytest
 import yaml
 
 from conftest import synthetic_conversations, tiny_workflow_config
-from support import STANDIN_SERVER
 from test_sglang_service import processes_mentioning
 
 from . import local_slurm
 from .profile_runs import finished_jobs, planned_through_slurm, run_through_slurm
 
-pytestmark = pytest.mark.workflow
+# The launcher starts the stand-in server in place of SGLang (in the Slurm jobs too: sbatch exports
+# the environment).
+pytestmark = [pytest.mark.workflow, pytest.mark.usefixtures("sglang_standin")]
 
 SHARDS = [f"{i:05d}" for i in range(4)]
 BLOCK_OF = {"00000": "00000", "00001": "00000", "00002": "00001", "00003": "00001"}
@@ -38,7 +39,7 @@ def test_each_block_is_one_allocation_with_eight_gpus_for_its_server_and_shards(
     workdir = tmp_path_factory.mktemp("slurm-sglang")
     conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
     spool = workdir / "spool"
-    sglang = {"standin": str(STANDIN_SERVER), "shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
+    sglang = {"shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     config = yaml.safe_load(configfile.read_text())
     config["target"]["tensor_parallel"] = 8  # the server job asks for a whole node's GPUs, as Kimi-K2.5's

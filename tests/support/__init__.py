@@ -11,5 +11,9 @@ stand-in server and the chaos harness also run as scripts from a source checkout
 
 from pathlib import Path
 
-# The stand-in server's script: the tests pass it in as extract.sglang.standin.
+import sys
+
+# The stand-in server's script, and the command that the tests put in EAGLENEST_SGLANG_COMMAND
+# so that the launcher starts it, with SGLang's flags, in place of SGLang.
 STANDIN_SERVER = Path(__file__).resolve().parent / "standin_server.py"
+STANDIN_COMMAND = f"{sys.executable} {STANDIN_SERVER}"

@@ -280,7 +280,7 @@ def serve(options) -> None:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--model", "--model-path", dest="model", required=True, help="transformers model directory")
     parser.add_argument("--target", "--served-model-name", dest="target", required=True,
                         help="target name the server reports")
@@ -289,8 +289,12 @@ def parse_args(argv=None):
     parser.add_argument("--speculative-num-steps", type=int, default=None)
     parser.add_argument("--speculative-eagle-topk", type=int, default=None)
     parser.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    # SGLang 0.5.23's draft-less aux capture (what the launcher asks for in capture mode):
+    # EAGLE3 with no draft model, and the layers in SGLang's numbering.
+    parser.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    parser.add_argument("--return-aux-hidden-state-layer-ids", nargs="*", type=int, default=None)
     parser.add_argument("--layer-ids", nargs="*", type=int, default=None, help="HF-convention aux layers (default [2, N//2, N-3])")
-    parser.add_argument("--spool-dir", default=sglang_patch.DEFAULT_SPOOL_DIR)
+    parser.add_argument("--spool-dir", default=None, help="default: the launcher's capture settings, else /dev/shm/eaglenest_hs")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--ready-file", help="written (url, pid) once the server listens")
@@ -308,7 +312,17 @@ def parse_args(argv=None):
     options, ignored = parser.parse_known_args(argv)
     if ignored:
         print(f"stand-in: ignoring SGLang flags {ignored}", file=sys.stderr, flush=True)
-    options.layer_ids = options.layer_ids or None
+    # Started by eaglenest.sglang.launch (EAGLENEST_SGLANG_COMMAND), the stand-in gets SGLang's
+    # flags and, as the patched server does, its capture settings from the environment.
+    launched_with = sglang_patch.settings_from_env() or {}
+    options.layer_ids = options.layer_ids or launched_with.get("layer_ids") or None
+    options.spool_dir = options.spool_dir or launched_with.get("spool_dir") or sglang_patch.DEFAULT_SPOOL_DIR
+    if options.enable_return_aux_hidden_states and options.speculative_draft_model_path is None:
+        # Capture, not speculation; the layers asked for must be the run's, as SGLang numbers them.
+        if launched_with and options.return_aux_hidden_state_layer_ids != launched_with["sglang_layer_ids"]:
+            parser.error(f"--return-aux-hidden-state-layer-ids {options.return_aux_hidden_state_layer_ids} are not the "
+                         f"capture settings' SGLang layer ids {launched_with['sglang_layer_ids']}")
+        options.speculative_algorithm = None
     if options.speculative_algorithm and None in (options.speculative_draft_model_path, options.speculative_num_steps,
                                                  options.speculative_eagle_topk, options.speculative_num_draft_tokens):
         parser.error("--speculative-algorithm EAGLE3 needs the draft model path, steps, topk and draft tokens")
