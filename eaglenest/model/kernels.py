@@ -1,10 +1,11 @@
-"""The drafter's custom autograd functions, each beside the plain form it is tested against.
+"""The drafter's custom autograd functions: its norms, the merge of the diagonal keys (beside
+its plain form, the reference the tests hold it to) and the MLP's gate.
 
-Autograd's graph of a norm, of the merge of the diagonal keys or of the MLP's gate keeps
-float32 copies and intermediate results for the backward pass; these functions keep only
-their inputs (or what other layers keep anyway), recompute the rest in the backward pass and
-form the gradient in closed form, a chunk of rows at a time (CHUNK_ELEMENTS). The savings
-at a Kimi-shaped drafter's scale are in benchmarks/train_memory.py and docs/performance/training-step.md.
+Autograd's graph of a norm, of the merge or of the gate keeps float32 copies and intermediate
+results for the backward pass; these functions keep only their inputs (or what other layers
+keep anyway), recompute the rest in the backward pass and form the gradient in closed form, a
+chunk of rows at a time (CHUNK_ELEMENTS). The savings at a Kimi-shaped drafter's scale are in
+benchmarks/train_memory.py and docs/performance/training-step.md.
 
     rms_norm                       Llama's RMSNorm, keeping x and the inverse RMS only
     merge_diagonal_keys            softmax over [context ; diagonal keys] from the context's
