@@ -34,7 +34,11 @@ def first_step(shape_name: str, hidden: int, tokens: int, ttt_length: int) -> di
 
     # eaglenest first: train_throughput puts this checkout first on sys.path when imported.
     from eaglenest.model import drafter
-    from eaglenest.stages import train
+
+    try:
+        from eaglenest.training import objective as training
+    except ImportError:  # a checkout from before eaglenest/training/: the objective was in the stage
+        from eaglenest.stages import train as training
 
     import train_throughput
 
@@ -53,11 +57,11 @@ def first_step(shape_name: str, hidden: int, tokens: int, ttt_length: int) -> di
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()  # this run's graphs and breaks only
     model = drafter.Eagle3Drafter(config)
-    if hasattr(train, "compile_drafter"):
-        train.compile_drafter(model)
-    else:  # a checkout from before train.compile_drafter: it compiled the layer alone
+    if hasattr(training, "compile_drafter"):
+        training.compile_drafter(model)
+    else:  # a checkout from before compile_drafter: it compiled the layer alone
         model.midlayer.compile(dynamic=False)
-    objective = train.TTTObjective(model, ttt_length, attention_backend="dense")
+    objective = training.TTTObjective(model, ttt_length, attention_backend="dense")
     began = time.perf_counter()
     logits = [model.compute_logits(normed) for _, normed in objective.unroll(batch)]
     forward = time.perf_counter() - began

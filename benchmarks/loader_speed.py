@@ -1,11 +1,12 @@
-"""How fast the training loader assembles a step's batch (eaglenest.stages.loader.RowReader.batch):
+"""How fast the training loader assembles a step's batch (eaglenest.training.batches.RowReader.batch):
 random shards of a target's shape in a temporary directory (/dev/shm where it exists), the rows
 of one epoch's steps packed and padded to the token budget as a GPU run pads them, in page-locked
 memory where a GPU is visible (as the training loop makes them), timed batch by batch.
 
 ``--baseline DIR`` times another checkout's loader in the same run, step for step beside this
-one's, and checks that both give the same batches: DIR/eaglenest/stages/loader.py is loaded as a
-module of its own (the rest of eaglenest is this checkout's).
+one's, and checks that both give the same batches: DIR/eaglenest/training/batches.py (in older
+checkouts eaglenest/stages/loader.py) is loaded as a module of its own (the rest of eaglenest is
+this checkout's).
 
     python benchmarks/loader_speed.py --out benchmarks/results/loader_speed_cpu.json
     python benchmarks/loader_speed.py --baseline <checkout of another commit> --out ...
@@ -31,22 +32,26 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import train_throughput  # noqa: E402
-from eaglenest.stages import loader  # noqa: E402
+from eaglenest.training.batches import Dataset, RowReader, epoch_steps, open_split  # noqa: E402
 
 
 def load_loader(checkout: Path):
-    """Another checkout's eaglenest/stages/loader.py as a module of its own."""
+    """Another checkout's training loader as a module of its own: eaglenest/training/batches.py,
+    or eaglenest/stages/loader.py where the checkout predates eaglenest/training/."""
     name = "baseline_loader"
-    spec = importlib.util.spec_from_file_location(name, checkout / "eaglenest" / "stages" / "loader.py")
+    path = checkout / "eaglenest" / "training" / "batches.py"
+    if not path.exists():
+        path = checkout / "eaglenest" / "stages" / "loader.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
 
-def make_dataset(root: Path, shape_name: str, args) -> loader.Dataset:
+def make_dataset(root: Path, shape_name: str, args) -> Dataset:
     out, expect = train_throughput.write_consolidated(root, train_throughput.shape_of(shape_name, args), args)
-    return loader.open_split(out / "index.json", out / "split.json", "train", expect)
+    return open_split(out / "index.json", out / "split.json", "train", expect)
 
 
 def same_batch(first: dict, second: dict) -> bool:
@@ -56,10 +61,10 @@ def same_batch(first: dict, second: dict) -> bool:
 
 def measure(shape_name: str, args, workdir: Path, baseline) -> dict:
     dataset = make_dataset(workdir / shape_name, shape_name, args)
-    steps = loader.epoch_steps(dataset, args.token_budget, args.rows, seed=0, epoch=0)
+    steps = epoch_steps(dataset, args.token_budget, args.rows, seed=0, epoch=0)
     pin = torch.cuda.is_available()
     keep_fp8 = pin  # as the training loop reads fp8 shards for a GPU
-    readers = {"eaglenest": loader.RowReader(dataset, keep_fp8=keep_fp8)}
+    readers = {"eaglenest": RowReader(dataset, keep_fp8=keep_fp8)}
     if baseline is not None:
         readers["baseline"] = baseline.RowReader(dataset, keep_fp8=keep_fp8)
     seconds = {name: [] for name in readers}

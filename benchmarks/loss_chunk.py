@@ -1,4 +1,4 @@
-"""The elementwise part of one loss chunk (eaglenest.stages.draft_loss.soft_ce_chunk: the soft
+"""The elementwise part of one loss chunk (eaglenest.training.draft_loss.soft_ce_chunk: the soft
 cross-entropy, the top-1 hits and the gradient of a [rows, draft vocab] block of logits), alone:
 eagerly, compiled as train.compile compiled it before (one dot product over the whole block),
 and compiled as it compiles it now (row by row, draft_loss.soft_ce_chunk_per_row).
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eaglenest.stages import draft_loss  # noqa: E402
+from eaglenest.training import draft_loss  # noqa: E402
 
 # rows x draft vocabulary: a chunk of the SmolLM2 goal's step (8 x 4,096 tokens in chunks of
 # 8,192 rows, vocabulary 8,192), of the SmolLM2 real run's (32,000), and a Kimi-shaped 1 x 4,096 step.

@@ -42,8 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_throughput  # noqa: E402  (the shapes and the drafter config of the throughput benchmark)
-from eaglenest.model import drafter  # noqa: E402
-from eaglenest.stages import draft_loss, train  # noqa: E402
+from eaglenest.model import context_attention, drafter  # noqa: E402
+from eaglenest.training import draft_loss  # noqa: E402
+from eaglenest.training.objective import TTTObjective  # noqa: E402
 
 GIB = 2**30
 
@@ -129,9 +130,9 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
             lambda module, args: module_stack.append(names.get(id(module), type(module).__name__))),
         torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: module_stack.pop() and None),
     ]
-    saved = drafter.flex_context_attention, drafter.segment_block_mask, draft_loss._compute_dtype
-    drafter.flex_context_attention = lambda q, k, v, block_mask: FusedAttentionShapes.apply(q, k, v)
-    drafter.segment_block_mask = lambda segment_ids: None
+    saved = context_attention.flex_context_attention, context_attention.segment_block_mask, draft_loss._compute_dtype
+    context_attention.flex_context_attention = lambda q, k, v, block_mask: FusedAttentionShapes.apply(q, k, v)
+    context_attention.segment_block_mask = lambda segment_ids: None
     draft_loss._compute_dtype = lambda t: torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else t.dtype
     counter = LiveStorages(module_stack)
     try:
@@ -143,7 +144,7 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
             names.update({id(module): name or "drafter" for name, module in model.named_modules()})
             trainable = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
-            objective = train.TTTObjective(model, ttt_length, attention_backend="flex", recompute_steps=recompute_steps)
+            objective = TTTObjective(model, ttt_length, attention_backend="flex", recompute_steps=recompute_steps)
             # The target's head in the hidden states' dtype (TargetHead on a GPU), and a step's rows.
             target_head = torch.empty(config.vocab_size, config.target_hidden_size, dtype=torch.bfloat16)
             batch = {
@@ -181,7 +182,7 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
                 counter.phase = "backward"
                 loss.backward()
                 # The next step's rows, copied to the device once the backward pass is queued
-                # (train.DeviceBatches.prefetch): alive beside this step's clipping and optimizer.
+                # (DeviceBatches.prefetch): alive beside this step's clipping and optimizer.
                 # This step's rows stay alive until the next step takes the place of its batch.
                 counter.phase = "next batch"
                 upcoming = (torch.empty_like(batch["aux_hidden"]),
@@ -194,7 +195,7 @@ def model_step(shape: dict, rows: int, row_tokens: int, ttt_length: int, recompu
     finally:
         for hook in hooks:
             hook.remove()
-        drafter.flex_context_attention, drafter.segment_block_mask, draft_loss._compute_dtype = saved
+        context_attention.flex_context_attention, context_attention.segment_block_mask, draft_loss._compute_dtype = saved
     by_phase = collections.Counter()
     for (phase, _, _, _), nbytes in counter.at_peak.items():
         by_phase[phase] += nbytes

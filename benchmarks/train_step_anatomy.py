@@ -1,7 +1,7 @@
-"""Where a drafter training step's time goes: eaglenest's step (``train.train_step``, the one
-``eaglenest.stages.train`` runs) phase by phase, beside the plain eager ceiling step of
-``train_throughput.py``, with the step's parts taken out one at a time, and a profile of the
-kernels of both steps by kind.
+"""Where a drafter training step's time goes: eaglenest's step
+(``eaglenest.training.loop.train_step``, the one ``eaglenest.stages.train`` runs) phase by
+phase, beside the plain eager ceiling step of ``train_throughput.py``, with the step's parts
+taken out one at a time, and a profile of the kernels of both steps by kind.
 
 The step runs on a random batch of the shape (the rows of ``--rows`` x ``--token-budget``
 tokens, samples of ``--sample-len``), with the real target head (a random-weight target written
@@ -11,8 +11,8 @@ fused AdamW. Every figure is a mean over ``--steps`` steps after ``--warmup``:
 - phases: the time between the marks ``train_step`` sets as it queues each phase (to device,
   target head, forward, backward, clip, optimizer), read from CUDA events on the GPU (the
   device's time, including any time it waited for the host) and from the clock on a CPU. The
-  batches come as in the training loop (train.DeviceBatches: the next one copied beside a
-  step's clipping and optimizer), so "to device" is the time the step waited for its copy;
+  batches come as in the training loop (eaglenest.training.batches.DeviceBatches: the next one
+  copied beside a step's clipping and optimizer), so "to device" is the time the step waited for its copy;
 - ablations: the whole step again with one part taken out (each row says which; the
   difference to the whole step is what that part costs). These steps compute something else:
   they are timings, never trained drafters;
@@ -44,8 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import train_throughput  # noqa: E402  (the shapes, the random target and the ceiling step)
 from eaglenest.formats import shards  # noqa: E402
-from eaglenest.model import drafter  # noqa: E402
+from eaglenest.model import context_attention, drafter, kernels  # noqa: E402
 from eaglenest.stages import train  # noqa: E402
+from eaglenest.training import launch, loop  # noqa: E402
+from eaglenest.training.batches import DeviceBatches, hidden_dtype_on  # noqa: E402
+from eaglenest.training.objective import TTTObjective, compile_drafter  # noqa: E402
+from eaglenest.training.target_head import TargetHead  # noqa: E402
 
 # Kernel kinds by name, first match wins (attention before the Triton kernels that implement it).
 KERNEL_KINDS = [
@@ -108,7 +112,7 @@ def random_batch(shape: dict, args, generator: torch.Generator) -> dict:
         "loss_mask": torch.ones(rows, length, dtype=torch.bool),
         "aux_hidden": torch.randn(rows, length, 3 * target["hidden_size"], generator=generator).bfloat16(),
         "last_hidden": torch.randn(rows, length, target["hidden_size"], generator=generator).bfloat16(),
-        # Which sample each token is, on the device and on the host, as loader.RowReader gives them
+        # Which sample each token is, on the device and on the host, as RowReader gives them
         "sample_index": (torch.arange(rows).unsqueeze(1) * (length // args.sample_len)
                          + torch.arange(length) // args.sample_len),
         "samples": tuple(range(rows * (length // args.sample_len))),
@@ -134,7 +138,8 @@ def _reused_target_head(head):
 
 
 def _later_epoch_target_head(head):
-    """The target head as a later epoch runs it: the in-draft test known (train.InDraftCache),
+    """The target head as a later epoch runs it: the in-draft test known
+    (eaglenest.training.target_head.InDraftCache),
     only the draft block's product."""
     kept = {}
 
@@ -159,9 +164,9 @@ ABLATIONS = {
     "without the target head (its soft labels reused)": _reused_target_head,
     "the target head of a later epoch (the in-draft test known: its draft block only)": _later_epoch_target_head,
     "without the merge of the diagonal keys (context attention's output as is)":
-        lambda: train_throughput.patched(drafter, "merge_diagonal_keys", lambda out, lse, q, k, v, group: out),
+        lambda: train_throughput.patched(kernels, "merge_diagonal_keys", lambda out, lse, q, k, v, group: out),
     "context attention by SDPA's causal kernel instead of FlexAttention (no log-sum-exp)":
-        lambda: train_throughput.patched(drafter.TTTCache, "attend_context", _sdpa_context),
+        lambda: train_throughput.patched(context_attention.TTTCache, "attend_context", _sdpa_context),
     "without gradient clipping":
         lambda: train_throughput.patched(torch.nn.utils, "clip_grad_norm_",
                                          lambda params, max_norm: torch.zeros((), device="cpu")),
@@ -239,18 +244,18 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
     train_throughput.write_target(workdir / "target", shape, draft_ids, seed=0)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[draft_ids] = True
-    hidden_dtype = train.hidden_dtype_on(device)
-    head = train.TargetHead(workdir / "target", t2d, device, hidden_dtype)
+    hidden_dtype = hidden_dtype_on(device)
+    head = TargetHead(workdir / "target", t2d, device, hidden_dtype)
     config = train_throughput.drafter_config(shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = drafter.Eagle3Drafter(config)
     model.embed_tokens.weight.data = model.embed_tokens.weight.data.to(torch.bfloat16)  # as the target stores it
     settings = train.DEFAULTS
-    objective = train.TTTObjective(model, args.ttt_length, settings["loss_chunk_rows"], settings["attention"],
-                                   args.recompute_steps)
+    objective = TTTObjective(model, args.ttt_length, settings["loss_chunk_rows"], settings["attention"],
+                             args.recompute_steps)
     if args.compile and device.type == "cuda":
-        train.compile_drafter(model)
+        compile_drafter(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     host_batch = random_batch(shape, args, torch.Generator().manual_seed(2))
@@ -267,13 +272,13 @@ def anatomy(name: str, args, device: torch.device, workdir: Path) -> dict:
             step += 1
 
     # As the training loop: the next batch's copy starts once a step's backward pass is queued.
-    batches = train.DeviceBatches(endless(), device, hidden_dtype)
+    batches = DeviceBatches(endless(), device, hidden_dtype)
 
     def step(mark, target_head=head):
         mark("to device")
         _, _, batch, local_tokens = next(batches)
-        train.train_step(objective, target_head, batch, local_tokens, decay, trainable, optimizer,
-                         settings["max_grad_norm"], autocast, mark, after_backward=batches.prefetch)
+        loop.train_step(objective, target_head, batch, local_tokens, decay, trainable, optimizer,
+                        settings["max_grad_norm"], autocast, mark, after_backward=batches.prefetch)
 
     def timed(work) -> dict:
         for _ in range(args.warmup):
@@ -360,7 +365,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = train.resolve_device(args.device, 0)
+    device = launch.resolve_device(args.device, 0)
     results = {
         "command": " ".join(["benchmarks/train_step_anatomy.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

@@ -42,7 +42,10 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eaglenest.stages import consolidate, train  # noqa: E402
-from eaglenest.model import drafter
+from eaglenest.model import drafter, kernels
+from eaglenest.model.flops import count_parameters, flops_per_token_step
+from eaglenest.training import launch
+from eaglenest.training.objective import TTTObjective
 from eaglenest.formats import shards
 
 SHAPES = {
@@ -124,7 +127,7 @@ def write_consolidated(root: Path, shape: dict, args) -> tuple[Path, dict]:
 
 
 def step_flops(config: drafter.DrafterConfig, record: dict, row_tokens: int) -> float:
-    parts = drafter.flops_per_token_step(config)
+    parts = flops_per_token_step(config)
     tokens = record["tokens"]
     q_width = config.num_attention_heads * config.head_dim
     total = 2 * parts["fc"] * tokens  # forward + weight gradient
@@ -207,7 +210,7 @@ def timed_run(name: str, args, drafter_dir: Path, processes: int, setup_seconds:
     saved = json.loads((drafter_dir / "config.json").read_text())
     config = drafter.DrafterConfig.from_dict({k: v for k, v in saved.items() if k in drafter.DrafterConfig.__dataclass_fields__})
     with torch.device("meta"):
-        trainable = drafter.count_parameters(drafter.Eagle3Drafter(config))
+        trainable = count_parameters(drafter.Eagle3Drafter(config))
     steady = curve["train"][args.warmup:]
     seconds = sum(r["seconds"] + r["data_wait_seconds"] for r in steady)
     tokens = sum(r["tokens"] for r in steady)
@@ -369,7 +372,6 @@ def bench_ceiling(name: str, args, device: torch.device) -> dict:
 def check_backends(device: torch.device) -> dict:
     """FlexAttention (compiled, on the GPU) against the dense path, float32: every step's
     logits and every gradient, on packed rows of uneven samples."""
-    from eaglenest.stages import train as train_lib
 
     shape = SHAPES["smollm2"]
     config = drafter_config(shape)
@@ -388,11 +390,11 @@ def check_backends(device: torch.device) -> dict:
     for backend, reference_merge in (("dense", False), ("flex", False), ("dense", True)):
         torch.manual_seed(0)
         model = drafter.Eagle3Drafter(config).to(device)
-        objective = train_lib.TTTObjective(model, 7, attention_backend=backend)
+        objective = TTTObjective(model, 7, attention_backend=backend)
         # The merge of the diagonal keys as the GPU runs it (compiled, fused) or by autograd
         # through its plain ops, the tests' reference.
-        merge = drafter.merge_diagonal_keys_autograd if reference_merge else drafter.merge_diagonal_keys
-        with patched(drafter, "merge_diagonal_keys", merge):
+        merge = kernels.merge_diagonal_keys_autograd if reference_merge else kernels.merge_diagonal_keys
+        with patched(kernels, "merge_diagonal_keys", merge):
             logits = [model.compute_logits(normed)[0] for _, normed in objective.unroll(batch)]
             sum((w * out).sum() for w, out in zip(weights, logits)).backward()
         runs[backend, reference_merge] = ([out.detach() for out in logits],
@@ -442,7 +444,7 @@ def main(argv=None):
                              "GPU node, gloo workers on a CPU), each at the same global batch; default 1")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    device = train.resolve_device(args.device, 0)
+    device = launch.resolve_device(args.device, 0)
     results = {
         "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": {"platform": platform.platform(), "torch": torch.__version__, "cpu_threads": args.threads,

@@ -4,11 +4,15 @@ The package follows the pipeline (docs/formats.md has each file it writes):
 
 - ``stages/``: one module per workflow stage, ingest -> regenerate -> prepare -> extract ->
   consolidate -> train -> export -> evaluate; ``shard_driver`` is the per-shard loop both
-  extraction backends share, ``loader`` and ``draft_loss`` are training's data and loss.
+  extraction backends share.
+- ``training/``: what the train stage puts together: batches, the target's soft labels, the
+  TTT objective and its loss, checkpoints, the loop, torchrun.
 - ``formats/``: shards and their headers, atomic writes, the draft vocabulary. ``shards`` is
   the only module that reads or writes shard files.
-- ``target/``: the target model at run time (loading, aux capture, batching) and layer ids.
-- ``model/``: the EAGLE-3 drafter and speculative decoding with it.
+- ``target/``: the target model at run time (loading, aux capture, batching), layer ids, and
+  its embedding and head read from its weight files.
+- ``model/``: the EAGLE-3 drafter (its custom autograd kernels, its attention in training)
+  and speculative decoding with it.
 - ``sglang/``: the SGLang backend: client, server launcher, in-server plugin.
 - ``ops/``: operating a node: recon, GPU slots, assets, job logs.
 - top level: ``settings`` (the schema's defaults), ``layout`` (the results layout), ``plan``

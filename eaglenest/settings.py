@@ -21,7 +21,7 @@ import yaml
 SCHEMA_PATH = Path(__file__).resolve().parent / "config_schema.yaml"
 
 # train keys that decide the weights a run ends with: the checkpoint fingerprint
-# (eaglenest.stages.train) and the params of rule train_drafter (its rerun trigger). The other train
+# (eaglenest.stages.train.fingerprint) and the params of rule train_drafter (its rerun trigger). The other train
 # keys only change speed and bookkeeping (and where the job runs).
 TRAIN_CONTENT_KEYS = (
     "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",

@@ -36,7 +36,7 @@ rule train_drafter:
         target_name=config["target"]["name"],
         layer_ids=LAYER_IDS,
         dtype=config["extract"]["dtype"],
-        # eaglenest.stages.train.OBJECTIVE: a new training convention retrains the drafter
+        # eaglenest.training.objective.OBJECTIVE: a new training convention retrains the drafter
         objective="ttt-rotary-t+j",
         # the settings that decide the weights (eaglenest.settings.TRAIN_CONTENT_KEYS)
         hyper={key: config["train"][key] for key in settings.TRAIN_CONTENT_KEYS},

@@ -173,7 +173,7 @@ def test_compile_time_benchmark_compiles_every_ttt_step_with_no_graph_break(tmp_
 
 def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cpu(tmp_path):
     """benchmarks/train_step_anatomy.py, small, on the CPU: eaglenest's step phase by phase (the
-    marks of train.train_step), each ablation against the whole step, the ceiling step, and a
+    marks of eaglenest.training.loop.train_step), each ablation against the whole step, the ceiling step, and a
     profile of both by kind."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import train_step_anatomy
@@ -197,8 +197,8 @@ def test_train_step_anatomy_times_the_phases_the_ablations_and_the_ceiling_on_cp
     # With --compile, the parts inside the compiled layer are not taken out (each would recompile it).
     assert len(train_step_anatomy.INSIDE_THE_LAYER) == 2 < len(train_step_anatomy.ABLATIONS)
     # The ablations patch only while they run.
-    from eaglenest.model import drafter
-    assert drafter.merge_diagonal_keys.__name__ == "merge_diagonal_keys"
+    from eaglenest.model import kernels
+    assert kernels.merge_diagonal_keys.__name__ == "merge_diagonal_keys"
 
 
 def test_loss_chunk_benchmark_times_each_variant_and_checks_it_against_the_eager_chunk(tmp_path):

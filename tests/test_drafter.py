@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglenest.model import drafter
+from eaglenest.model import context_attention, drafter, kernels
 from eaglenest.formats import vocab
 
 
@@ -119,7 +119,7 @@ def reference_ttt(model, ids_per_step, aux, segment_ids=None):
 
 
 def run_ttt(model, ids_per_step, aux, segment_ids, positions, backend):
-    cache, hidden, outputs = drafter.TTTCache(backend), aux, []
+    cache, hidden, outputs = context_attention.TTTCache(backend), aux, []
     for j, ids in enumerate(ids_per_step):
         logits, hidden = model(ids, hidden, positions + j, cache, segment_ids)
         outputs.append(logits)
@@ -252,7 +252,7 @@ def test_rms_norm_equals_autograd_through_its_expression(dtype, rows, monkeypatc
     """drafter.RMSNorm keeps x and the inverse RMS only; judged against autograd through the
     plain expression (which keeps float32 copies): the same output bit for bit, and the same
     gradients within float32 rounding."""
-    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", rows * 64)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", rows * 64)
     torch.manual_seed(0)
     x = (torch.randn(3, 17, 64) * torch.linspace(0.1, 4.0, 64)).to(dtype).requires_grad_(True)
     weight = (1.0 + 0.1 * torch.randn(64)).requires_grad_(True)
@@ -295,9 +295,9 @@ def test_rms_norm_under_autocast_gives_the_cast_its_consumers_made():
 
 MERGES = {
     # The CPU's: all heads at once, a chunk of positions at a time, small matrix products.
-    "chunked": lambda: drafter.merge_diagonal_keys,
+    "chunked": lambda: kernels.merge_diagonal_keys,
     # The GPU's (compiled there) and train.compile's: whole tensors, elementwise ops and sums.
-    "fused": lambda: drafter._fused_merge,
+    "fused": lambda: kernels.fused_merge,
 }
 
 
@@ -307,7 +307,7 @@ MERGES = {
 @pytest.mark.parametrize("steps", [1, 3, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_merge_of_diagonal_keys_equals_autograd_through_its_ops(dtype, steps, chunk_positions, merge, monkeypatch):
-    """drafter.merge_diagonal_keys forms its own gradient: on a CPU all heads at once and a
+    """kernels.merge_diagonal_keys forms its own gradient: on a CPU all heads at once and a
     chunk of positions at a time, its per-position sums as small matrix products; on a GPU by
     the fused merge, compiled. Each is judged against autograd through the plain ops
     (merge_diagonal_keys_autograd): output and every input's gradient within float32 rounding
@@ -320,12 +320,12 @@ def test_fused_merge_compiled_equals_autograd_through_its_ops(monkeypatch):
     """The fused merge as torch.compile builds it (inductor, here on the CPU; on a GPU it always
     runs so): the same output and gradients as the reference."""
     torch._dynamo.reset()
-    check_merge_against_autograd(torch.compile(drafter._fused_merge, dynamic=False), torch.float32, 3, 11, monkeypatch)
+    check_merge_against_autograd(torch.compile(kernels.fused_merge, dynamic=False), torch.float32, 3, 11, monkeypatch)
 
 
 def check_merge_against_autograd(merge, dtype, steps, chunk_positions, monkeypatch):
     batch, kv_heads, group, length, dim = 2, 2, 3, 11, 16
-    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", batch * kv_heads * group * dim * chunk_positions)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", batch * kv_heads * group * dim * chunk_positions)
     torch.manual_seed(1)
     leaves = {
         "context_out": torch.randn(batch, kv_heads * group, length, dim),
@@ -344,7 +344,7 @@ def check_merge_against_autograd(merge, dtype, steps, chunk_positions, monkeypat
         return out, torch.autograd.grad(out, list(leaves.values()), grad_out.to(out.dtype))
 
     out, grads = run(merge)
-    reference, reference_grads = run(drafter.merge_diagonal_keys_autograd)
+    reference, reference_grads = run(kernels.merge_diagonal_keys_autograd)
     assert out.dtype == dtype
     for name, got, expected in [("out", out, reference), *zip(leaves, grads, reference_grads)]:
         assert got.dtype == expected.dtype, name
@@ -381,7 +381,7 @@ def test_merge_of_diagonal_keys_runs_as_many_operators_for_any_number_of_heads()
                   [torch.randn(1, kv_heads, length, dim, requires_grad=True) for _ in range(steps)],
                   [torch.randn(1, kv_heads, length, dim, requires_grad=True) for _ in range(steps)]]
         with Count() as count:
-            drafter.merge_diagonal_keys(*inputs, group).sum().backward()
+            kernels.merge_diagonal_keys(*inputs, group).sum().backward()
         return count.operators
 
     assert operators(2, 3) == operators(8, 3)
@@ -401,7 +401,7 @@ def test_merge_of_diagonal_keys_runs_its_products_in_float32_under_autocast():
 
     def run(autocast: bool):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = drafter.merge_diagonal_keys(*leaves[:3], [leaves[3]], [leaves[4]], 2)
+            out = kernels.merge_diagonal_keys(*leaves[:3], [leaves[3]], [leaves[4]], 2)
         return out, torch.autograd.grad(out, leaves, grad_out)
 
     (out, grads), (plain, plain_grads) = run(True), run(False)
@@ -418,14 +418,14 @@ def test_swiglu_equals_autograd_bit_for_bit(dtype, backward_rows, private, monke
     backward pass; ``private`` gate and up (the MLP's own) are replaced by their gradients.
     Output and gradients equal autograd's through F.silu(gate) * up exactly (float32 in
     several chunks: to the last bit of a vectorised tail); a second backward is refused."""
-    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", backward_rows * 48)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", backward_rows * 48)
     torch.manual_seed(2)
     leaves = ((torch.randn(4, 9, 48) * 3).to(dtype).requires_grad_(True), torch.randn(4, 9, 48).to(dtype).requires_grad_(True))
     grad_out = torch.randn(4, 9, 48).to(dtype)
     reference = F.silu(leaves[0]) * leaves[1]
     reference_grads = torch.autograd.grad(reference, leaves, grad_out)
     gate, up = (leaf * 1 for leaf in leaves) if private else leaves  # private: made for this call alone
-    out = drafter._SwiGLU.apply(gate, up, private)
+    out = kernels.swiglu(gate, up, private)
     assert torch.equal(out, reference)
     grads = torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
     for grad, expected in zip(grads, reference_grads):
@@ -450,9 +450,9 @@ def test_compiled_layer_traces_the_drafter_s_own_autograd_functions(monkeypatch)
     and the gate run whole."""
     import torch._dynamo
 
-    monkeypatch.setattr(drafter, "CHUNK_ELEMENTS", 1024)
+    monkeypatch.setattr(kernels, "CHUNK_ELEMENTS", 1024)
 
-    from eaglenest.stages import train
+    from eaglenest.training.objective import TTTObjective, compile_drafter
 
     config = drafter.DrafterConfig(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -469,8 +469,8 @@ def test_compiled_layer_traces_the_drafter_s_own_autograd_functions(monkeypatch)
         torch.manual_seed(0)
         model = drafter.Eagle3Drafter(config)
         if compiled:
-            train.compile_drafter(model)
-        objective = train.TTTObjective(model, 3, attention_backend="dense")
+            compile_drafter(model)
+        objective = TTTObjective(model, 3, attention_backend="dense")
         logits = [model.compute_logits(normed) for _, normed in objective.unroll(batch)]
         sum((w * out).sum() for w, out in zip(weights, logits)).backward()
         return [out.detach() for out in logits], {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -496,10 +496,10 @@ def test_draft_vocab_that_does_not_fit_the_config_is_refused():
 def test_sdpa_and_explicit_attention_agree_for_step_zero():
     # A pass without a TTT cache goes through scaled_dot_product_attention; check it against plain softmax.
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
-    mask = drafter.causal_segment_mask(torch.tensor([[0, 0, 0, 1, 1]]))
+    mask = context_attention.causal_segment_mask(torch.tensor([[0, 0, 0, 1, 1]]))
     expected = ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).softmax(-1) @ v
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), expected)
-    out, lse = drafter.dense_context_attention(q, k, v, mask, group=1)
+    out, lse = context_attention.dense_context_attention(q, k, v, mask, group=1)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(lse, ((q @ k.transpose(-1, -2)) / 2).masked_fill(~mask, float("-inf")).logsumexp(-1))
 

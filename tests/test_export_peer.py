@@ -6,7 +6,7 @@ Eagle3DraftModel.from_pretrained loads our export, with the verifier (our tiny t
 from a local directory and the hub switched off, and must produce our draft logits for
 every training-time-test step on the same hidden states and ids.
 
-Our side runs eaglenest's own training unroll (eaglenest.stages.train.TTTObjective.unroll), with no
+Our side runs eaglenest's own training unroll (eaglenest.training.objective.TTTObjective.unroll), with no
 adjustment: both rotate TTT step j at position t + j.
 """
 
@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglenest.stages import export, train
+from eaglenest.stages import export
+from eaglenest.training.objective import TTTObjective
 from eaglenest.model.drafter import Eagle3Drafter
 
 pytestmark = pytest.mark.workflow
@@ -49,7 +50,7 @@ def _our_ttt_logits(drafter: Eagle3Drafter, ids, aux) -> list[torch.Tensor]:
         "segment_ids": torch.zeros(1, length + 1, dtype=torch.long),
         "position_ids": torch.arange(length + 1)[None],
     }
-    objective = train.TTTObjective(drafter, ttt_length=TTT_STEPS)
+    objective = TTTObjective(drafter, ttt_length=TTT_STEPS)
     with torch.no_grad():
         return [drafter.compute_logits(normed[:, :length]) for _, normed in objective.unroll(batch)]
 

@@ -12,9 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eaglenest.stages import consolidate, draft_loss, loader, train
+from eaglenest.stages import consolidate, train
 from eaglenest.formats import shards
-from eaglenest.model import drafter
+from eaglenest.target import weights as target_weights
+from eaglenest.training import batches, draft_loss
+from eaglenest.training.batches import DeviceBatches, to_device
+from eaglenest.training.objective import OBJECTIVE, TTTObjective, step_positions
+from eaglenest.training.target_head import InDraftCache, TargetHead
 
 LAYER_IDS = [1, 3, 4]
 EXPECT = {"target": "tiny-llama", "layer_ids": LAYER_IDS, "dtype": "bfloat16"}
@@ -89,8 +93,8 @@ def arguments(run: dict, tmp_path: Path, **settings) -> dict:
 
 
 def test_epoch_packs_every_train_sample_once_within_the_token_budget(tiny_run):
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    steps = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    steps = batches.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
     seen = [i for step in steps for row in step for i in row]
     assert sorted(seen) == list(range(len(dataset.samples)))
     assert all(sum(dataset.samples[i].length for i in row) <= 64 for step in steps for row in step)
@@ -98,8 +102,8 @@ def test_epoch_packs_every_train_sample_once_within_the_token_budget(tiny_run):
 
 
 def test_shuffle_is_a_function_of_seed_and_epoch(tiny_run):
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    order = lambda seed, epoch: loader.epoch_steps(dataset, 64, 2, seed, epoch)  # noqa: E731
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    order = lambda seed, epoch: batches.epoch_steps(dataset, 64, 2, seed, epoch)  # noqa: E731
     assert order(0, 0) == order(0, 0)
     assert order(0, 0) != order(0, 1)
     assert order(0, 0) != order(1, 0)
@@ -107,13 +111,13 @@ def test_shuffle_is_a_function_of_seed_and_epoch(tiny_run):
 
 def test_sample_longer_than_the_budget_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="raise the budget"):
-        loader.pack_rows([10, 80, 5], token_budget=64)
+        batches.pack_rows([10, 80, 5], token_budget=64)
 
 
 def test_packed_batch_restarts_positions_and_pads_with_no_loss(tiny_run):
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     row = [0, 1]
-    batch = loader.RowReader(dataset).batch([row], pad_to=100)
+    batch = batches.RowReader(dataset).batch([row], pad_to=100)
     first, second = (dataset.samples[i].length for i in row)
     assert batch["position_ids"][0, first].item() == 0
     assert batch["segment_ids"][0, :first].eq(0).all() and batch["segment_ids"][0, first : first + second].eq(1).all()
@@ -126,9 +130,9 @@ def test_batch_padding_holds_zero_hidden_rows_whatever_the_memory_held(tiny_run,
     """The loader makes its hidden tensors without zeroing them first and zeroes only the padding:
     with every new tensor's memory full of NaN, the padding (a row's tail and a whole empty row)
     is still zero, and the samples' rows are the shards' own."""
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     rows = [[0, 1], [2]]
-    clean = loader.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
+    clean = batches.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
     real_empty = torch.empty
 
     def dirty_empty(*args, **kwargs):
@@ -136,7 +140,7 @@ def test_batch_padding_holds_zero_hidden_rows_whatever_the_memory_held(tiny_run,
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor.fill_(7)
 
     monkeypatch.setattr(torch, "empty", dirty_empty)
-    dirty = loader.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
+    dirty = batches.RowReader(dataset).batch(rows, pad_to=100, pad_rows=3)
     monkeypatch.undo()
     for name in ("aux_hidden", "last_hidden"):
         assert torch.equal(dirty[name], clean[name]), name
@@ -152,23 +156,23 @@ def test_padded_steps_all_have_one_shape_and_the_padding_rows_change_nothing(tin
     from eaglenest.model import drafter as drafter_lib
     from eaglenest.formats import vocab
 
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    stream = loader.StepStream(dataset, 64, 3, seed=0, epochs=2, pad_to_budget=True)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    stream = batches.StepStream(dataset, 64, 3, seed=0, epochs=2, pad_to_budget=True)
     assert any(len(rows) < 3 for _, rows in stream.schedule)  # a short step exists
     shapes = {tuple(batch["aux_hidden"].shape) for _, _, batch in stream}
     assert shapes == {(3, 64, len(LAYER_IDS) * 64)}
 
-    reader = loader.RowReader(dataset)
-    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
+    reader = batches.RowReader(dataset)
+    rows = batches.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
     draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
-    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+    head = TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
     outcomes = []
     for pad_rows in (None, 4):
         model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
-        objective = train.TTTObjective(model, 3)
-        batch = train.to_device(reader.batch(rows, pad_to=64, pad_rows=pad_rows), torch.device("cpu"), torch.float32)
+        objective = TTTObjective(model, 3)
+        batch = to_device(reader.batch(rows, pad_to=64, pad_rows=pad_rows), torch.device("cpu"), torch.float32)
         target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
-        positions = train.step_positions(batch, in_draft.view_as(batch["input_ids"]), 3)
+        positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), 3)
         results = objective(batch, target_logits, positions)
         sum(ce for ce, _, _ in results).backward()
         outcomes.append(([float(ce.detach()) for ce, _, _ in results], [int(h) for _, _, h in results],
@@ -185,7 +189,7 @@ def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_load
     """On CUDA the loader hands fp8 rows and their scales to the trainer, which dequantizes on
     the GPU: the same values, bit for bit, as dequantizing in the loader (float32 products
     rounded once to the hidden dtype on either device)."""
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     hidden_paths, prepared_paths = [], []
     for shard_path in dataset.shard_paths:
         source = shards.ShardReader.open(shard_path)
@@ -204,12 +208,12 @@ def test_fp8_rows_kept_by_the_loader_and_dequantized_by_to_device_equal_the_load
         hidden_paths, prepared_paths, consolidated / "index.json", consolidated / "draft_vocab.safetensors",
         consolidated / "split.json", target_vocab_size=vocab_size, draft_vocab_size=64, expect=expect, val_fraction=0.2, seed=0,
     )
-    fp8_set = loader.open_split(consolidated / "index.json", consolidated / "split.json", "train", expect)
-    rows = loader.epoch_steps(fp8_set, 64, 3, seed=0, epoch=0)[0]
-    plain = train.to_device(loader.RowReader(fp8_set).batch(rows, pad_to=64), torch.device("cpu"), torch.bfloat16)
-    kept = loader.RowReader(fp8_set, keep_fp8=True).batch(rows, pad_to=64, pad_rows=4)
+    fp8_set = batches.open_split(consolidated / "index.json", consolidated / "split.json", "train", expect)
+    rows = batches.epoch_steps(fp8_set, 64, 3, seed=0, epoch=0)[0]
+    plain = to_device(batches.RowReader(fp8_set).batch(rows, pad_to=64), torch.device("cpu"), torch.bfloat16)
+    kept = batches.RowReader(fp8_set, keep_fp8=True).batch(rows, pad_to=64, pad_rows=4)
     assert kept["aux_hidden"].dtype == torch.float8_e4m3fn and kept["aux_hidden_scale"].shape == (4, 64, len(LAYER_IDS))
-    moved = train.to_device(kept, torch.device("cpu"), torch.bfloat16)
+    moved = to_device(kept, torch.device("cpu"), torch.bfloat16)
     assert set(moved) == set(plain) and "aux_hidden_scale" not in moved
     for name in ("aux_hidden", "last_hidden"):
         assert moved[name].dtype == torch.bfloat16
@@ -222,13 +226,13 @@ def first_step(tiny_run: dict, ttt_length: int):
     draft-vocabulary logits, each TTT step's counted positions)."""
     from eaglenest.formats import vocab
 
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    rows = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
-    batch = train.to_device(loader.RowReader(dataset).batch(rows), torch.device("cpu"), torch.float32)
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    rows = batches.epoch_steps(dataset, 64, 2, seed=0, epoch=0)[0]
+    batch = to_device(batches.RowReader(dataset).batch(rows), torch.device("cpu"), torch.float32)
     draft_vocab = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
-    head = train.TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+    head = TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
     target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
-    return batch, draft_vocab, target_logits, train.step_positions(batch, in_draft.view_as(batch["input_ids"]), ttt_length)
+    return batch, draft_vocab, target_logits, step_positions(batch, in_draft.view_as(batch["input_ids"]), ttt_length)
 
 
 def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny_run):
@@ -242,7 +246,7 @@ def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny
         model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
         calls = []
         model.midlayer.register_forward_hook(lambda *_: calls.append(1))
-        objective = train.TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute)
+        objective = TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute)
         results = objective(batch, target_logits, positions)
         forward_calls = len(calls)
         sum(w * ce for w, (ce, _, _) in zip((1.0, 0.8, 0.64, 0.51), results)).backward()
@@ -269,7 +273,7 @@ def test_one_shared_head_gradient_buffer_gives_the_per_step_gradients(tiny_run, 
     outcomes = []
     for shared in (False, True):
         model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
-        objective = train.TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute, loss_chunk_rows=7)
+        objective = TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute, loss_chunk_rows=7)
         if shared:
             loss, results = objective(batch, target_logits, positions, step_weights)
             assert all(not ce.requires_grad for ce, _, _ in results)
@@ -295,7 +299,7 @@ def test_changed_shard_is_refused_by_the_loader(tiny_run, tmp_path):
     edited = tmp_path / "index.json"
     edited.write_text(json.dumps(index))
     with pytest.raises(shards.ShardError, match="changed since consolidation"):
-        loader.open_split(edited, tiny_run["split_path"], "train", EXPECT)
+        batches.open_split(edited, tiny_run["split_path"], "train", EXPECT)
 
 
 # ---- TTT targets ------------------------------------------------------------------------------------------
@@ -307,7 +311,7 @@ def test_positions_count_only_masked_in_vocab_tokens_of_the_same_sample():
         "loss_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 0, 1, 1, 0]], dtype=torch.bool),
     }
     in_draft = torch.tensor([[True, True, False, True, True, True, True, True, True, False]])
-    step0, step1 = train.step_positions(batch, in_draft, 2)
+    step0, step1 = step_positions(batch, in_draft, 2)
     # step 0 at t predicts x_{t+2} with the target at t+1 as label: t=1 loses (target at 2 is
     # outside the draft vocab), t=3, 4 cross into sample 1, t=7 runs into padding
     assert step0.tolist() == [0, 2, 5, 6]
@@ -319,11 +323,11 @@ def test_target_head_never_builds_full_vocab_logits_for_more_than_a_chunk(tiny_r
     from eaglenest.formats import vocab
 
     draft = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
-    head = train.TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32, chunk_elements=320 * 4)
+    head = TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32, chunk_elements=320 * 4)
     assert head.chunk_rows == 4
     hidden = torch.randn(10, 64)
     logits, in_draft = head(hidden)
-    full = hidden @ drafter.load_target_rows(tiny_run["target_path"], "lm_head").T
+    full = hidden @ target_weights.load_target_rows(tiny_run["target_path"], "lm_head").T
     assert torch.equal(in_draft, draft["t2d"][full.argmax(-1)])
     torch.testing.assert_close(logits, full[:, draft["t2d"]])
     # Given the in-draft test, the same logits come from the draft block alone.
@@ -345,7 +349,7 @@ def test_target_head_in_draft_test_breaks_ties_as_the_full_vocabulary_argmax(tmp
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "vocab_size": vocab_size}))
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[[0, 3, 7, 9]] = True
-    head = train.TargetHead(tmp_path, t2d, "cpu", torch.float32)
+    head = TargetHead(tmp_path, t2d, "cpu", torch.float32)
     x = torch.cat([torch.randn(200, hidden), rows[[2, 9, 7, 10]]])  # the last four: the tied rows win
     full = x @ rows.T
     _, in_draft = head(x)
@@ -354,12 +358,12 @@ def test_target_head_in_draft_test_breaks_ties_as_the_full_vocabulary_argmax(tmp
 
 
 def test_in_draft_cache_answers_once_every_sample_of_a_batch_was_seen():
-    """train.InDraftCache: no answer while a sample of the batch is new; after a batch stored its
+    """InDraftCache: no answer while a sample of the batch is new; after a batch stored its
     test, a batch of the same samples (packed otherwise) reads the same bits, False on padding."""
     from types import SimpleNamespace
 
     dataset = SimpleNamespace(samples=[SimpleNamespace(length=n) for n in (3, 2, 4)])
-    cache = train.InDraftCache(dataset, torch.device("cpu"))
+    cache = InDraftCache(dataset, torch.device("cpu"))
 
     def batch(rows):  # rows of sample indices, packed into rows of 6 tokens
         index = torch.full((len(rows), 6), -1)
@@ -552,7 +556,7 @@ def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
     assert listed == "settings.TRAIN_CONTENT_KEYS" and train.CONTENT_KEYS == settings.TRAIN_CONTENT_KEYS
     # Every content key is a train setting of the schema, and the defaults are the schema's.
     assert set(train.CONTENT_KEYS) <= set(train.DEFAULTS) == set(settings.section_schema("train")["properties"])
-    assert re.search(r'objective="([^"]+)"', rule).group(1) == train.OBJECTIVE
+    assert re.search(r'objective="([^"]+)"', rule).group(1) == OBJECTIVE
 
 
 @pytest.mark.workflow
@@ -645,20 +649,20 @@ def test_head_soft_cross_entropy_keeps_no_logits_and_skips_the_gradient_without_
 
 
 def test_device_batches_yield_every_step_once_in_order_whether_or_not_the_step_prefetched():
-    """train.DeviceBatches: a step that prefetches (as train_step does once its backward pass is
+    """DeviceBatches: a step that prefetches (as train_step does once its backward pass is
     queued) takes the next batch early; a step that does not leaves it to the next iteration.
     Either way every (step, epoch, batch) comes once, in order, with its tokens; a rank's empty
     step (None) passes through; a prefetch past the end ends the iteration."""
     host = [(step, 0, None if step == 2 else {"tokens": torch.tensor(10 + step), "aux_hidden": torch.full((1, 2, 3), step),
                                               "last_hidden": torch.full((1, 2, 1), step)})
             for step in range(5)]
-    batches = train.DeviceBatches(iter(host), torch.device("cpu"), torch.float32)
+    device_batches = DeviceBatches(iter(host), torch.device("cpu"), torch.float32)
     seen = []
-    for n, (step, epoch, batch, tokens) in enumerate(batches):
+    for n, (step, epoch, batch, tokens) in enumerate(device_batches):
         seen.append((step, None if batch is None else int(batch["aux_hidden"][0, 0, 0]), tokens))
         if n % 2 == 0:  # steps 0, 2 and 4 prefetch; 4's finds the end
-            batches.prefetch()
-            batches.prefetch()  # a second call takes nothing more
+            device_batches.prefetch()
+            device_batches.prefetch()  # a second call takes nothing more
     assert seen == [(0, 0, 10.0), (1, 1, 11.0), (2, None, 0.0), (3, 3, 13.0), (4, 4, 14.0)]
 
 
@@ -668,42 +672,42 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_batches_move_the_loader_s_real_batches_prefetched_or_not(tiny_run, device):
     """The loader's own batches (tensors and the host-side ``samples`` tuple) through
-    train.DeviceBatches, every other step prefetched on the copy stream (on a GPU): each batch
-    equals train.to_device's of the same host batch, and ``samples`` passes through."""
-    dataset = loader.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
-    reader = loader.RowReader(dataset)
-    steps = loader.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
+    DeviceBatches, every other step prefetched on the copy stream (on a GPU): each batch
+    equals to_device's of the same host batch, and ``samples`` passes through."""
+    dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    reader = batches.RowReader(dataset)
+    steps = batches.epoch_steps(dataset, 64, 2, seed=0, epoch=0)
     host = [(n, 0, reader.batch(rows, pad_to=64, pad_rows=2)) for n, rows in enumerate(steps)]
     assert len(host) >= 3 and all(isinstance(batch["samples"], tuple) for _, _, batch in host)
-    batches = train.DeviceBatches(iter(host), torch.device(device), torch.float32)
-    for n, (step, _, moved, tokens) in enumerate(batches):
-        expected = train.to_device(host[step][2], torch.device(device), torch.float32)
+    device_batches = DeviceBatches(iter(host), torch.device(device), torch.float32)
+    for n, (step, _, moved, tokens) in enumerate(device_batches):
+        expected = to_device(host[step][2], torch.device(device), torch.float32)
         assert moved.keys() == expected.keys() and moved["samples"] == host[step][2]["samples"]
         for key, value in expected.items():
             if torch.is_tensor(value):
                 assert value.device.type == device and torch.equal(moved[key], value), key
         assert tokens == float(host[step][2]["tokens"])
         if n % 2 == 0:
-            batches.prefetch()
+            device_batches.prefetch()
     assert step == len(host) - 1
 
 
 def test_later_epochs_reading_the_in_draft_cache_train_the_same_weights_as_computing_it(tiny_run, tmp_path, monkeypatch):
-    """Three epochs: from the second on every batch's in-draft test comes from train.InDraftCache
+    """Three epochs: from the second on every batch's in-draft test comes from InDraftCache
     (the target head runs its draft block only). The weights and the curve equal, bit for bit,
     a run that computes the test at every step."""
     used = []
-    lookup = train.InDraftCache.lookup
+    lookup = InDraftCache.lookup
 
     def counted(self, batch):
         known = lookup(self, batch)
         used.append(known is not None)
         return known
 
-    monkeypatch.setattr(train.InDraftCache, "lookup", counted)
+    monkeypatch.setattr(InDraftCache, "lookup", counted)
     cached = train.train(**arguments(tiny_run, tmp_path / "cached"))
     assert any(used) and not all(used)  # the first epoch computes, later epochs read
-    monkeypatch.setattr(train.InDraftCache, "lookup", lambda self, batch: None)
+    monkeypatch.setattr(InDraftCache, "lookup", lambda self, batch: None)
     computed = train.train(**arguments(tiny_run, tmp_path / "computed"))
     first = load_file(str(tmp_path / "cached" / "drafter" / "model.safetensors"))
     second = load_file(str(tmp_path / "computed" / "drafter" / "model.safetensors"))

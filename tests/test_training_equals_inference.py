@@ -2,8 +2,8 @@
 the j true next tokens, exactly the logits the speculative decoder computes at depth j + 1 of a
 chain for the same context with the same tokens drafted.
 
-Both sides run their own code: eaglenest.stages.train.TTTObjective.unroll (packed rows, shifted ids,
-rotary position t + j, the TTT attention of eaglenest.model.drafter) and eaglenest.model.speculate
+Both sides run their own code: eaglenest.training.objective.TTTObjective.unroll (packed rows,
+shifted ids, rotary position t + j, the TTT attention of eaglenest.model.drafter) and eaglenest.model.speculate
 (DrafterState's KV cache, build_draft_tree's positions and visibility). The chain is sampled at
 temperature 1, so its tokens are arbitrary drafts, and each depth's draft distribution q comes
 back in the tree; the training side is given those tokens as the true continuation.
@@ -12,8 +12,8 @@ back in the tree; the training side is given those tokens as the true continuati
 import pytest
 import torch
 
-from eaglenest.model import drafter, speculate
-from eaglenest.stages import train
+from eaglenest.model import context_attention, speculate
+from eaglenest.training.objective import TTTObjective
 from test_drafter import tiny_drafter
 
 DEPTH = 5
@@ -36,7 +36,7 @@ def training_step_distributions(model, tokens, aux, at, backend):
         "input_ids": tokens[:length][None], "aux_hidden": aux[None],
         "segment_ids": torch.zeros(1, length, dtype=torch.long), "position_ids": torch.arange(length)[None],
     }
-    objective = train.TTTObjective(model, ttt_length=DEPTH, attention_backend=backend)
+    objective = TTTObjective(model, ttt_length=DEPTH, attention_backend=backend)
     with torch.no_grad():
         return [speculate.draft_distribution(model, model.compute_logits(normed[0, at]), 1.0, model.config.vocab_size)
                 for _, normed in objective.unroll(batch)]
@@ -82,7 +82,7 @@ def test_step_zero_positions_at_every_step_would_part_from_the_decoder():
     runs = []
     with torch.no_grad():
         for advance in (True, False):
-            cache, hidden = drafter.TTTCache("dense"), aux
+            cache, hidden = context_attention.TTTCache("dense"), aux
             for j in range(2):
                 logits, hidden = model(ids, hidden, positions + j if advance else positions, cache)
             runs.append(logits)

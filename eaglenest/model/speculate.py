@@ -25,7 +25,7 @@ exactly the target's.
 
 The drafter reads, per verified position t, the target's aux hidden states at t (captured
 by forward pre-hooks on the aux decoder layers; HF convention: the input of decoder layer i)
-and the token at t + 1, as in training (eaglenest.stages.train). Drafted nodes are fed back with the
+and the token at t + 1, as in training (eaglenest.training.objective). Drafted nodes are fed back with the
 drafter's own hidden state at the true sequence positions, as EAGLE's and SGLang's inference
 do. The drafter keeps its own KV cache of verified positions; the entries of drafted nodes
 are dropped after each cycle and the accepted positions are recomputed from the target's

@@ -45,7 +45,8 @@ from safetensors.torch import save_file
 
 from eaglenest.formats import atomic
 from eaglenest.target import layer_ids
-from eaglenest.model.drafter import DrafterConfig, Eagle3Drafter, load_target_rows
+from eaglenest.model.drafter import DrafterConfig, Eagle3Drafter
+from eaglenest.target.weights import load_target_rows
 
 log = logging.getLogger(__name__)
 

@@ -378,7 +378,7 @@ def inject_checkpoint_disk_full(workflow: Workflow, tally: Tally, checkpoint_byt
     and fills the disk in the third (rotation removes the oldest only after the new one is in).
     The job must fail naming the file and the disk, leave no partial or unverifiable checkpoint,
     and after space is made resume from the last good checkpoint to the reference drafter."""
-    from eaglenest.stages import train
+    from eaglenest.training import checkpoints
 
     shutil.rmtree(workflow.results / "train", ignore_errors=True)  # train from step 0
     mount_point = checkpoint_dir(workflow)
@@ -391,8 +391,8 @@ def inject_checkpoint_disk_full(workflow: Workflow, tally: Tally, checkpoint_byt
         result = workflow.resume(tally, train_targets(workflow))
         output = result.stdout + result.stderr + marks.new_text()
         message = re.search(r"disk full while writing (\S+) \([\d,]+ bytes free [^)]*\)", output)
-        recorded = train.read_checksums(mount_point)
-        left = train.checkpoint_paths(mount_point)
+        recorded = checkpoints.read_checksums(mount_point)
+        left = checkpoints.checkpoint_paths(mount_point)
         outcome = {
             "tmpfs_bytes": size,
             "failed": result.returncode != 0,
@@ -401,7 +401,7 @@ def inject_checkpoint_disk_full(workflow: Workflow, tally: Tally, checkpoint_byt
             and f"mounted at {mount_point}" in message.group(0),
             "partial_files_left": len(list(mount_point.glob(f"*{atomic.TMP_MARKER}*"))),
             "checkpoints_left": [p.name for p in left],
-            "unverifiable_checkpoints_left": [p.name for p in left if train.checkpoint_problem(p, recorded)],
+            "unverifiable_checkpoints_left": [p.name for p in left if checkpoints.checkpoint_problem(p, recorded)],
             "drafter_left": Path(workflow.layout.drafter_dir()).exists(),
         }
         subprocess.run(["mount", "-o", "remount,size=64m", str(mount_point)], check=True)  # space is made
@@ -422,15 +422,15 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
     """Corrupt the newest checkpoint of a job that was killed after writing it and before
     writing the drafter; the rerun must name it, resume from the one before it (only the steps
     after that are redone, the older file untouched) and end with the reference drafter."""
-    from eaglenest.stages import train
+    from eaglenest.training import checkpoints
 
     directory = checkpoint_dir(workflow)
-    saved = train.checkpoint_paths(directory)
+    saved = checkpoints.checkpoint_paths(directory)
     victim, older = saved[-1], saved[:-1]
     shutil.rmtree(workflow.layout.drafter_dir())
     Path(workflow.layout.training_summary()).unlink()
     corrupt_file(victim, how, rng)
-    if train.checkpoint_problem(victim, train.read_checksums(directory)) is None:
+    if checkpoints.checkpoint_problem(victim, checkpoints.read_checksums(directory)) is None:
         tally.notes.append(f"corruption ({how}) of {victim.name} left its bytes unchanged; redone as truncate")
         corrupt_file(victim, "truncate", rng)
     before = {p.name: p.stat().st_mtime_ns for p in older}
@@ -449,7 +449,7 @@ def inject_checkpoint_corruption(workflow: Workflow, how: str, rng: random.Rando
         "older_untouched": all(
             (directory / name).exists() and (directory / name).stat().st_mtime_ns == mtime for name, mtime in before.items()
         ),
-        "rebuilt_intact": train.checkpoint_problem(victim, train.read_checksums(directory)) is None,
+        "rebuilt_intact": checkpoints.checkpoint_problem(victim, checkpoints.read_checksums(directory)) is None,
         "completed": result.returncode == 0,
         "drafter": drafter_outputs(final_outputs(workflow)),
     }
@@ -658,7 +658,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
               checkpoint_disk_full: bool = True, checkpoint_corruptions: int = 1,
               server_fault_names: list[str] | None = None) -> dict:
     """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none."""
-    from eaglenest.stages import train
+    from eaglenest.training import checkpoints
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -711,7 +711,7 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
     if checkpoint_disk_full or checkpoint_corruptions:
         trainer = copy_finished_run(reference, workdir / "train-faults")
         if checkpoint_disk_full and os.geteuid() == 0:
-            checkpoint_bytes = train.checkpoint_paths(checkpoint_dir(reference))[-1].stat().st_size
+            checkpoint_bytes = checkpoints.checkpoint_paths(checkpoint_dir(reference))[-1].stat().st_size
             outcome = counted(tally, lambda: inject_checkpoint_disk_full(trainer, tally, checkpoint_bytes))
             outcome["identical"] = outcome.pop("drafter") == reference_drafter
             checkpoint_disk_full_results.append(outcome)

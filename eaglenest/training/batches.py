@@ -8,7 +8,9 @@ step, so one process and W processes see the same global batch. A checkpoint sto
 global step number; resuming replays nothing.
 
 Rows are read lazily from the memory-mapped shard files by a background thread that keeps
-``prefetch`` steps ready; the time the training loop spends waiting for it is measured.
+``prefetch`` steps ready (:class:`StepStream`); the time the training loop spends waiting for it
+is measured. :class:`DeviceBatches` moves each step's batch to the device, on a GPU while the
+previous step's optimizer runs.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class RowReader:
 
     ``keep_fp8``: fp8 shards' hidden rows stay fp8 in the batch, with their scales as
     ``aux_hidden_scale`` / ``last_hidden_scale`` [B, T, groups], for the trainer to dequantize
-    on the GPU (train.to_device). Dequantizing 8 rows of 4,096 tokens on the CPU costs the
+    on the GPU (:func:`to_device`). Dequantizing 8 rows of 4,096 tokens on the CPU costs the
     loader about as long as the GPU takes for the whole step of the SmolLM2 drafter, in a
     thread beside the one that launches the step; fp8 also halves the bytes copied to the GPU.
     """
@@ -274,3 +276,86 @@ class StepStream:
 
     def close(self):
         self._stop.set()
+
+
+def hidden_dtype_on(device: torch.device) -> torch.dtype:
+    """The dtype hidden states are fed in: bf16 on a GPU (autocast), float32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+
+def to_device(batch, device, hidden_dtype):
+    """The batch on ``device``, hidden rows in ``hidden_dtype``; fp8 rows kept by the loader
+    (``*_scale`` beside them) are dequantized here, on the device."""
+    if batch is None:
+        return None
+    moved = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    for name in ("aux_hidden", "last_hidden"):
+        scale = moved.pop(shards.SCALE_TENSORS[name], None)
+        if scale is not None:
+            values = moved[name]
+            flat = shards.dequantize_rows(values.flatten(0, 1), scale.flatten(0, 1), hidden_dtype)
+            moved[name] = flat.view(*values.shape)
+        else:
+            moved[name] = moved[name].to(hidden_dtype)
+    return moved
+
+
+class DeviceBatches:
+    """Iterate (step, epoch, batch on the device or None, the batch's tokens) over a StepStream.
+
+    On a GPU, ``prefetch()`` (called by the step once its backward pass is queued) takes the
+    next batch from the stream and starts its copy to the device, and its fp8 dequantisation,
+    on a stream of its own: the copy (4.5 ms of a 4,096-token Kimi-shaped step on an H200,
+    benchmarks/train_step_anatomy.py) then runs beside the step's clipping and optimizer instead
+    of before its next forward pass. The step waits for the copy on the device, not the host.
+    On a CPU ``prefetch()`` takes the next batch as well, and moves it at once. When nothing
+    was prefetched, the batch is moved as the step begins."""
+
+    _END = object()  # prefetch() found the stream ended
+
+    def __init__(self, stream, device: torch.device, hidden_dtype: torch.dtype):
+        self.batches = iter(stream)
+        self.device, self.hidden_dtype = device, hidden_dtype
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.upcoming = None  # (step, epoch, host batch, device batch, copied event or None) or _END
+
+    def prefetch(self) -> None:
+        if self.upcoming is not None:
+            return
+        item = next(self.batches, None)
+        if item is None:
+            self.upcoming = self._END
+            return
+        step, epoch, batch = item
+        if self.copy_stream is None:
+            self.upcoming = (step, epoch, batch, to_device(batch, self.device, self.hidden_dtype), None)
+            return
+        # Allocated now, with the step's backward pass queued: the allocator has the step's
+        # activations back, so the next batch does not add to the step's peak. Its buffers
+        # belong to the copy stream and are marked below for the stream of the step that reads them.
+        with torch.cuda.stream(self.copy_stream):
+            moved = to_device(batch, self.device, self.hidden_dtype)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self.upcoming = (step, epoch, batch, moved, copied)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        upcoming, self.upcoming = self.upcoming, None
+        if upcoming is self._END:
+            raise StopIteration
+        if upcoming is None:
+            step, epoch, batch = next(self.batches)
+            moved = to_device(batch, self.device, self.hidden_dtype)
+        else:
+            step, epoch, batch, moved, copied = upcoming
+            if copied is not None and moved is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(copied)
+                for value in moved.values():
+                    if torch.is_tensor(value):  # the batch's host entries (its ``samples``) stay as they are
+                        value.record_stream(current)
+        return step, epoch, moved, float(batch["tokens"]) if batch is not None else 0.0

@@ -11,8 +11,9 @@ at once into the gradients of the head's input and weight. Those two small tenso
 backward pass keeps; it only scales them by the loss's upstream gradient (a scalar, the step's
 weight in the objective), which is exact because the loss is linear in its upstream scale.
 
-On a GPU with ``compiled=True`` (the training step's default, train.TTTObjective) the elementwise
-part of a chunk runs compiled: a few fused kernels that read a row's block together.
+On a GPU with ``compiled=True`` (the training step's default, TTTObjective in
+eaglenest.training.objective) the elementwise part of a chunk runs compiled: a few fused
+kernels that read a row's block together.
 """
 
 from __future__ import annotations
