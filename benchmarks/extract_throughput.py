@@ -34,8 +34,8 @@ import torch
 
 from eaglenest.stages import extract
 from eaglenest.formats import shards
-from eaglenest.target import runtime as target_runtime
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import runtime as target_runtime
+from eaglenest.target_model import layer_ids as layer_id_convention
 
 HERE = Path(__file__).resolve().parent
 LENGTHS_FILE = HERE / "sharegpt_token_counts.json"

@@ -322,7 +322,7 @@ def cmd_extract(options) -> int:
     import sglang_h200
     from eaglenest.sglang import client as sglang_client
     from eaglenest.stages import extract
-    from eaglenest.target import layer_ids as layer_id_convention
+    from eaglenest.target_model import layer_ids as layer_id_convention
 
     work = Path(options.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,7 @@ def cmd_extract(options) -> int:
     from eaglenest.stages import extract
     from eaglenest.formats import shards
     from eaglenest.sglang import client as sglang_client
-    from eaglenest.target import layer_ids as layer_id_convention
+    from eaglenest.target_model import layer_ids as layer_id_convention
 
     hf = target_config(options.target_dir)
     layer_ids = layer_id_convention.resolve("default", hf["num_hidden_layers"])
@@ -311,8 +311,8 @@ def cmd_noise(options) -> int:
     import torch
 
     from eaglenest.formats import shards
-    from eaglenest.target import runtime as target_runtime
-    from eaglenest.target import layer_ids as layer_id_convention
+    from eaglenest.target_model import runtime as target_runtime
+    from eaglenest.target_model import layer_ids as layer_id_convention
 
     torch.set_num_threads(options.threads)
     hf = target_config(options.target_dir)

@@ -5,7 +5,7 @@
 
 The settings (ttt_length, token_budget, rows_per_step, device) are the train section of the
 config as the workflow builds it (config/config.yaml, then each --config, schema defaults:
-eaglenest.ops.recon.config.load_config), so the split is read in the same steps as the training
+eaglenest.node.recon.config.load_config), so the split is read in the same steps as the training
 run's validation.
 """
 import argparse
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from eaglenest.ops.recon.config import load_config
+from eaglenest.node.recon.config import load_config
 from eaglenest.stages import train
 
 

@@ -9,12 +9,13 @@ The package follows the pipeline (docs/formats.md has each file it writes):
   TTT objective and its loss, checkpoints, the loop, torchrun.
 - ``formats/``: shards and their headers, atomic writes, the draft vocabulary. ``shards`` is
   the only module that reads or writes shard files.
-- ``target/``: the target model at run time (loading, aux capture, batching), layer ids, and
+- ``target_model/``: the target model at run time (loading, aux capture, batching), layer ids, and
   its embedding and head read from its weight files.
 - ``model/``: the EAGLE-3 drafter (its custom autograd kernels, its attention in training)
-  and speculative decoding with it.
+  and speculative decoding with it; ``draft_tree`` is a drafting setting (steps, top-k,
+  verified tokens), torch-free for the planner.
 - ``sglang/``: the SGLang backend: client, server launcher, in-server plugin.
-- ``ops/``: operating a node: recon, GPU slots, assets, job logs.
+- ``node/``: operating a node: recon, GPU slots, assets, job logs.
 - top level: ``settings`` (the schema's defaults), ``layout`` (the results layout), ``plan``
   (sharding and disk estimates for the workflow), ``cli``.
 """

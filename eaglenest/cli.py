@@ -13,7 +13,7 @@ import sys
 
 
 def _run_recon(args: argparse.Namespace) -> int:
-    from eaglenest.ops import recon
+    from eaglenest.node import recon
 
     return recon.main(args)
 

@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import layer_ids as layer_id_convention
 
 STORAGE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1}
 # Bytes per token besides the hidden states: int32 token id + uint8 loss mask.
@@ -22,7 +22,7 @@ TOKEN_OVERHEAD_BYTES = 5
 
 
 def layer_ids(config: dict) -> list[int]:
-    """The run's aux layer ids in HF convention, checked (eaglenest.target.layer_ids.resolve)."""
+    """The run's aux layer ids in HF convention, checked (eaglenest.target_model.layer_ids.resolve)."""
     return layer_id_convention.resolve(config["extract"].get("layer_ids", "default"), config["target"]["num_layers"])
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from snakemake.utils import validate
 
 from eaglenest import layout, plan, settings
-from eaglenest.model.drafting import Drafting
+from eaglenest.model.draft_tree import Drafting
 from eaglenest.stages import eval_sets
 
 validate(config, schema="../config/schema.yaml")

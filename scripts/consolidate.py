@@ -2,7 +2,7 @@
 import logging
 
 from eaglenest.stages import consolidate
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 index = consolidate.consolidate(

@@ -1,7 +1,7 @@
 """Speculative decoding of one chunk of an eval set's prompts with one drafting configuration
 (rule evaluate_drafting)."""
 from eaglenest.stages import evaluate
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 evaluate.evaluate_drafting(

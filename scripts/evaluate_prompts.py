@@ -1,6 +1,6 @@
 """A user eval set's prompts and its report of rejected records (rule evaluate_prompts)."""
 from eaglenest.stages import eval_sets
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 entry = dict(snakemake.params.entry)

@@ -1,7 +1,7 @@
 """The target's greedy output for one chunk of an eval set's prompts, for replay
 (rule evaluate_reference)."""
 from eaglenest.stages import evaluate
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 evaluate.decode_reference(

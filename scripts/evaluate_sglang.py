@@ -1,6 +1,6 @@
 """One eval set through one SGLang evaluation server (rule evaluate_sglang)."""
 from eaglenest.stages import evaluate_server
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 evaluate_server.evaluate_on_server(

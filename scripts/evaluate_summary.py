@@ -1,6 +1,6 @@
 """Summary table, plots and headline of every evaluation job (rule evaluate_summary)."""
 from eaglenest.stages import evaluate
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 evaluate.summarize(

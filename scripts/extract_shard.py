@@ -15,7 +15,7 @@ for variable, value in list(os.environ.items()):
 import torch  # noqa: E402  (after the thread variables are fixed)
 
 from eaglenest.stages import extract
-from eaglenest.ops import gpu_slots, joblog
+from eaglenest.node import gpu_slots, joblog
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch
 
 stream = joblog.to_file(snakemake.log[0])

@@ -2,7 +2,7 @@
 import logging
 
 from eaglenest.stages import ingest
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 
 joblog.to_file(snakemake.log[0])
 report = ingest.ingest(

@@ -7,7 +7,7 @@ every prepare job again.
 import logging
 
 from eaglenest import plan
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 from eaglenest.stages import prepare
 
 joblog.to_file(snakemake.log[0])

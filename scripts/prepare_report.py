@@ -1,7 +1,7 @@
 """Sum the prepared shards' headers into the stage's report (rule prepare_report)."""
 import logging
 
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 from eaglenest.stages import prepare
 
 joblog.to_file(snakemake.log[0])

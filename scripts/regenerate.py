@@ -8,7 +8,7 @@ import logging
 
 import dataclasses
 
-from eaglenest.ops import gpu_slots, joblog
+from eaglenest.node import gpu_slots, joblog
 from eaglenest.sglang import launch as sglang_launch
 from eaglenest.stages import regenerate
 

@@ -1,7 +1,7 @@
 """Sum the shard reports of the regeneration stage (rule regenerate_report)."""
 import logging
 
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 from eaglenest.stages import regenerate
 
 joblog.to_file(snakemake.log[0])

@@ -2,7 +2,7 @@
 
 Content-defining values come from params; speed and bookkeeping knobs from the config.
 """
-from eaglenest.ops import joblog
+from eaglenest.node import joblog
 from eaglenest.stages import train
 from eaglenest.settings import TRAIN_CONTENT_KEYS, TRAIN_PLACEMENT_KEYS
 

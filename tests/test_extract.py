@@ -5,8 +5,8 @@ from transformers import AutoModelForCausalLM
 from eaglenest import plan
 from eaglenest.stages import extract, prepare
 from eaglenest.formats import shards
-from eaglenest.target import runtime as target_runtime
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import runtime as target_runtime
+from eaglenest.target_model import layer_ids as layer_id_convention
 
 
 def lengths_and_ids(vocab, lengths, seed=0):

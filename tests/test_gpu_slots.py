@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from eaglenest.ops import gpu_slots
+from eaglenest.node import gpu_slots
 
 # A job: take a slot of the pool, record which device it saw and when, hold it a while.
 JOB = """
 import json, os, sys, time
-from eaglenest.ops import gpu_slots
+from eaglenest.node import gpu_slots
 lock_dir, devices, record, hold_s = sys.argv[1], sys.argv[2].split(","), sys.argv[3], float(sys.argv[4])
 with gpu_slots.gpu_slots(1, devices, lock_dir):
     start = time.monotonic()
@@ -28,7 +28,7 @@ with open(record, "a") as handle:
 # A holder that reports once it holds its slot, then sleeps until killed.
 HOLDER = """
 import sys, time
-from eaglenest.ops import gpu_slots
+from eaglenest.node import gpu_slots
 slots = gpu_slots.acquire(1, sys.argv[2].split(","), sys.argv[1])
 print(slots.cuda_visible_devices, flush=True)
 time.sleep(600)
@@ -105,7 +105,7 @@ def test_asking_for_more_gpus_than_the_pool_has_is_refused(tmp_path):
 @pytest.mark.integration
 def test_command_line_runs_a_command_on_a_held_slot(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "eaglenest.ops.gpu_slots", "--devices", "3", "--lock-dir", str(tmp_path), "--",
+        [sys.executable, "-m", "eaglenest.node.gpu_slots", "--devices", "3", "--lock-dir", str(tmp_path), "--",
          sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"],
         capture_output=True, text=True, check=True,
     )

@@ -21,7 +21,7 @@ import yaml
 from conftest import planned_jobs, run_snakemake, snakemake_command, wait_until
 from eaglenest import cli
 from eaglenest.formats import atomic
-from eaglenest.ops import recon
+from eaglenest.node import recon
 
 NO_GPU = lambda args: (_ for _ in ()).throw(OSError("no nvidia-smi"))  # noqa: E731  (a machine without GPUs)
 

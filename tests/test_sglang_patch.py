@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eaglenest.target import layer_ids
+from eaglenest.target_model import layer_ids
 from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch, spool
 
 CACHE = Path(os.environ.get("EAGLENEST_CACHE", Path.home() / ".cache" / "eaglenest")) / "wheels"

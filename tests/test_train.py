@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from eaglenest.stages import consolidate, train
 from eaglenest.formats import shards
-from eaglenest.target import weights as target_weights
+from eaglenest.target_model import weights as target_weights
 from eaglenest.training import batches, draft_loss
 from eaglenest.training.batches import DeviceBatches, to_device
 from eaglenest.training.objective import OBJECTIVE, TTTObjective, step_positions

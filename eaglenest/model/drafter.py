@@ -64,7 +64,7 @@ from eaglenest.formats import atomic
 from eaglenest.formats.shards import tensor_sha256
 from eaglenest.model import kernels
 from eaglenest.model.context_attention import TTTCache, causal_segment_mask, repeat_kv
-from eaglenest.target.weights import load_target_rows, target_embedding_dtype
+from eaglenest.target_model.weights import load_target_rows, target_embedding_dtype
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglenest.model.drafter import Eagle3Drafter
-from eaglenest.model.drafting import Drafting
+from eaglenest.model.draft_tree import Drafting
 from eaglenest.model.speculate import (
     DrafterState,
     Generation,
@@ -36,7 +36,7 @@ from eaglenest.model.speculate import (
     run_draft_steps,
     target_eos_ids,
 )
-from eaglenest.target.runtime import AuxCapture
+from eaglenest.target_model.runtime import AuxCapture
 
 
 @dataclass

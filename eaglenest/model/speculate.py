@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from eaglenest.model.drafter import Eagle3Drafter, apply_rotary, rotary_cos_sin
-from eaglenest.model.drafting import Drafting
-from eaglenest.target.runtime import AuxCapture
+from eaglenest.model.draft_tree import Drafting
+from eaglenest.target_model.runtime import AuxCapture
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 from eaglenest.stages import shard_driver
 from eaglenest.formats import shards
 from eaglenest.sglang import patch as sglang_patch, spool
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ works, with ``--enable-return-hidden-states`` in place of the three EAGLE3 captu
   prefill chunk only, so a chunked prompt would lose rows;
 * ``--enable-return-aux-hidden-states --speculative-algorithm EAGLE3
   --return-aux-hidden-state-layer-ids <ids>``: aux capture without a draft, ids
-  translated from HF convention by eaglenest.target.layer_ids;
+  translated from HF convention by eaglenest.target_model.layer_ids;
 * ``--dtype bfloat16`` unless ``extract.sglang.extra_args`` names a dtype: SGLang's
   ``auto`` serves a config that says float32 in float16
   (``sglang/srt/configs/model_config.py:1573-1589`` in 0.5.14), which is neither what the
@@ -60,9 +60,9 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import layer_ids as layer_id_convention
 from eaglenest.formats import atomic
-from eaglenest.ops import gpu_slots
+from eaglenest.node import gpu_slots
 from eaglenest.sglang import client as sglang_client, patch as sglang_patch
 from eaglenest import settings as settings_lib
 

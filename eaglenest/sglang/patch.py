@@ -224,7 +224,7 @@ def check_captured_layers(model, hf_layer_ids: list[int]) -> None:
     if captured != list(hf_layer_ids):
         raise CaptureError(
             f"{type(model).__name__} captures layers {captured} but eaglenest asked for HF layers "
-            f"{list(hf_layer_ids)}: the layer-id translation in eaglenest/target/layer_ids.py does not match "
+            f"{list(hf_layer_ids)}: the layer-id translation in eaglenest/target_model/layer_ids.py does not match "
             "this sglang version"
         )
 

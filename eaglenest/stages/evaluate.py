@@ -122,7 +122,7 @@ def _load_models(target_path, drafter_path, device: str, threads: int, dtype: st
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from eaglenest.stages import export
-    from eaglenest.target.runtime import pick_device
+    from eaglenest.target_model.runtime import pick_device
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"evaluate dtype {dtype!r}: float32 or bfloat16")

@@ -15,7 +15,7 @@ Two formats, one set of weights:
 Layer ids. eaglenest keeps aux layer ids in HF convention (id i is the input of decoder
 layer i, ``hidden_states[i]``). vLLM reads ``eagle_aux_hidden_state_layer_ids`` in that
 convention. SGLang hands the ids to the target's ``set_eagle3_layers_to_capture``, which
-rewrites them per model class; ``eaglenest.target.layer_ids.hf_to_sglang`` does the inverse, so
+rewrites them per model class; ``eaglenest.target_model.layer_ids.hf_to_sglang`` does the inverse, so
 the SGLang config carries the ids SGLang needs to capture exactly our layers. Both
 exports also record the HF ids under ``eaglenest`` so the convention is never guessed.
 
@@ -44,9 +44,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglenest.formats import atomic
-from eaglenest.target import layer_ids
+from eaglenest.target_model import layer_ids
 from eaglenest.model.drafter import DrafterConfig, Eagle3Drafter
-from eaglenest.target.weights import load_target_rows
+from eaglenest.target_model.weights import load_target_rows
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Extract: run the target over one prepared shard and store its hidden states.
 
-Transformers backend: the target runs in this process (eaglenest.target.runtime). The
+Transformers backend: the target runs in this process (eaglenest.target_model.runtime). The
 per-shard steps (storage dtype, disk preflight, fp8 quantisation, atomic write) are
 eaglenest.stages.shard_driver's, shared with the SGLang backend; :class:`TransformersBackend`
 only answers the hidden states. Packed rows come back on the device in token order, so
 the driver converts them there and streams them to disk while the next rows are computed
 (pinned host buffers, a side stream, the shard written on background threads); padded
 samples come back on the host and are gathered first. Both layouts give the bytes of the
-simple driver, :func:`eaglenest.target.runtime.capture_hidden_states` plus the one-shot
+simple driver, :func:`eaglenest.target_model.runtime.capture_hidden_states` plus the one-shot
 writer (tests hold this in fp32 on CPU). See docs/performance.md.
 """
 
@@ -20,7 +20,7 @@ from typing import Iterator
 
 from eaglenest.stages import shard_driver
 from eaglenest.formats import shards
-from eaglenest.target.runtime import (
+from eaglenest.target_model.runtime import (
     hidden_state_rows, load_target, load_target_config, packed_batches, pick_device, resolve_layout,
 )
 

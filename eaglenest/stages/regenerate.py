@@ -39,7 +39,7 @@ from pathlib import Path
 
 from eaglenest.formats import atomic
 from eaglenest import settings as settings_lib
-from eaglenest.target.runtime import length_batches
+from eaglenest.target_model.runtime import length_batches
 from eaglenest.plan import REGENERATION_CONTENT
 from eaglenest.stages.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_conversations
 

@@ -29,7 +29,7 @@ from typing import Iterator, Protocol
 import torch
 
 from eaglenest.formats import atomic, shards
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import layer_ids as layer_id_convention
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglenest.target.weights import load_target_rows
+from eaglenest.target_model.weights import load_target_rows
 
 
 class TargetHead:

@@ -53,7 +53,7 @@ import yaml
 
 from eaglenest import layout, plan
 from eaglenest.formats import atomic, shards
-from eaglenest.ops import recon
+from eaglenest.node import recon
 from support import STANDIN_SERVER
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ started by eaglenest.sglang.launch does — same request fields (one sample or
 a batch of them per ``/generate``), same ``meta_info["eaglenest_spool"]`` descriptor, same
 spool files, written by the same function (eaglenest.sglang.patch.spool_prefill_rows) on
 background threads after the answer (eaglenest.sglang.spool.SpoolWriter) — but runs the
-target with transformers (eaglenest.target.runtime.capture_hidden_states, one sample per
+target with transformers (eaglenest.target_model.runtime.capture_hidden_states, one sample per
 forward), so its tensors equal the transformers backend's.
 
 Fault modes reproduce what goes wrong on a node: ``--exit-after N`` kills the process
@@ -42,7 +42,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eaglenest.target import layer_ids as layer_id_convention
+from eaglenest.target_model import layer_ids as layer_id_convention
 from eaglenest.sglang import patch as sglang_patch, spool
 
 
@@ -53,7 +53,7 @@ class StandinModel:
                  draft_model: str | None = None, drafting: dict | None = None):
         import torch
 
-        from eaglenest.target import runtime as target_runtime
+        from eaglenest.target_model import runtime as target_runtime
 
         self.model = target_runtime.load_target(model_path, "cpu", "float32")
         self.drafting = None

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 OK, WARN, BLOCK, NA = "ok", "warn", "block", "not applicable"
-REPO = Path(__file__).resolve().parents[3]  # the checkout: eaglenest/ops/recon/ is three below
+REPO = Path(__file__).resolve().parents[3]  # the checkout: eaglenest/node/recon/ is three below
 
 
 class ReconError(Exception):

@@ -11,7 +11,7 @@ import yaml
 
 from eaglenest import plan  # shard_header: header checks without torch
 from eaglenest.formats import shard_header
-from eaglenest.ops.recon.status import BLOCK, NA, OK, REPO, WARN
+from eaglenest.node.recon.status import BLOCK, NA, OK, REPO, WARN
 
 
 def _pins(repo: Path) -> dict[str, str]:

@@ -11,14 +11,14 @@ from typing import Callable, Iterable
 
 from eaglenest import plan
 from eaglenest.formats import atomic
-from eaglenest.ops.recon.config import load_config
-from eaglenest.ops.recon.disk import check_disk
-from eaglenest.ops.recon.gpus import check_gpus, run_nvidia_smi
-from eaglenest.ops.recon.processes import check_snakemake, list_processes
-from eaglenest.ops.recon.servers import check_servers
-from eaglenest.ops.recon.software import check_code
-from eaglenest.ops.recon.status import BLOCK, NA, OK, ReconError, REPO, WARN
-from eaglenest.ops.recon.workflow import check_workflow, writer_alive
+from eaglenest.node.recon.config import load_config
+from eaglenest.node.recon.disk import check_disk
+from eaglenest.node.recon.gpus import check_gpus, run_nvidia_smi
+from eaglenest.node.recon.processes import check_snakemake, list_processes
+from eaglenest.node.recon.servers import check_servers
+from eaglenest.node.recon.software import check_code
+from eaglenest.node.recon.status import BLOCK, NA, OK, ReconError, REPO, WARN
+from eaglenest.node.recon.workflow import check_workflow, writer_alive
 
 
 def snakemake_command(configfiles: list[str], workdir: Path, *args: str) -> str:

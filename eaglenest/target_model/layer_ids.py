@@ -65,7 +65,7 @@ def _family(architecture: str) -> str:
     known = sorted(ADDS_ONE_ALWAYS | ADDS_ONE_WHEN_FIRST_IS_ONE)
     raise ValueError(
         f"no SGLang layer-id convention known for architecture {architecture!r}; known: {known}. "
-        "Read its set_eagle3_layers_to_capture in the pinned sglang and add it to eaglenest/target/layer_ids.py."
+        "Read its set_eagle3_layers_to_capture in the pinned sglang and add it to eaglenest/target_model/layer_ids.py."
     )
 
 

@@ -9,8 +9,8 @@ import shlex
 import time
 from pathlib import Path
 
-from eaglenest.ops.recon.status import BLOCK, OK, WARN
-from eaglenest.ops.recon.workflow import incomplete_markers
+from eaglenest.node.recon.status import BLOCK, OK, WARN
+from eaglenest.node.recon.workflow import incomplete_markers
 
 
 def read_proc_text(path: str) -> str | None:

@@ -11,8 +11,8 @@ import urllib.error
 import urllib.request
 
 from eaglenest import plan
-from eaglenest.ops.recon.processes import describe_process, KIND_LABELS, read_proc_text
-from eaglenest.ops.recon.status import BLOCK, NA, OK
+from eaglenest.node.recon.processes import describe_process, KIND_LABELS, read_proc_text
+from eaglenest.node.recon.status import BLOCK, NA, OK
 
 
 def parse_proc_net_tcp(text: str) -> list[dict]:

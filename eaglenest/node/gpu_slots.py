@@ -148,7 +148,7 @@ def gpu_slots(count: int = 1, devices: list[str] | None = None, lock_dir=None, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eaglenest.ops.gpu_slots [--gpus N] [--devices 0,1] -- command ...``: run a command on held slots."""
+    """``python -m eaglenest.node.gpu_slots [--gpus N] [--devices 0,1] -- command ...``: run a command on held slots."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)

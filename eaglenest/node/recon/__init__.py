@@ -19,28 +19,28 @@ model) and ``report`` (the verdict, the text, the CLI entry). The names below ar
 package's interface: the CLI, the tests and the chaos harness use them.
 """
 
-from eaglenest.ops.recon.status import BLOCK, NA, OK, ReconError, REPO, WARN
-from eaglenest.ops.recon.config import load_config
-from eaglenest.ops.recon.processes import (
+from eaglenest.node.recon.status import BLOCK, NA, OK, ReconError, REPO, WARN
+from eaglenest.node.recon.config import load_config
+from eaglenest.node.recon.processes import (
     check_snakemake, describe_process, is_snakemake, KIND_LABELS, kind_with_parents, list_processes,
     OURS, process_kind, read_proc_text, snakemake_directory,
 )
-from eaglenest.ops.recon.gpus import (
+from eaglenest.node.recon.gpus import (
     check_gpus, gpu_report, HELD_MEMORY_MIB, NVIDIA_SMI_APPS_QUERY, NVIDIA_SMI_GPU_QUERY,
     parse_apps_query, parse_gpu_query, run_nvidia_smi,
 )
-from eaglenest.ops.recon.servers import (
+from eaglenest.node.recon.servers import (
     check_servers, configured_server_url, listening_ports, parse_proc_net_tcp, probe_server,
     server_mismatch, socket_owners,
 )
-from eaglenest.ops.recon.workflow import (
+from eaglenest.node.recon.workflow import (
     check_workflow, hidden_location, incomplete_markers, LATER_JOBS, later_jobs, LATER_STAGES,
     output_problem, writer_alive,
 )
-from eaglenest.ops.recon.disk import check_disk, DISK_MARGIN
-from eaglenest.ops.recon.software import (
+from eaglenest.node.recon.disk import check_disk, DISK_MARGIN
+from eaglenest.node.recon.software import (
     check_code, check_target_model, safetensors_intact, sglang_patch_state,
 )
-from eaglenest.ops.recon.report import (
+from eaglenest.node.recon.report import (
     exit_code, fix, main, recon, render, SECTION_TITLES, snakemake_command, STATUS_LABELS, verdict,
 )

@@ -8,7 +8,7 @@ from typing import Iterable
 import yaml
 
 from eaglenest import plan, settings
-from eaglenest.ops.recon.status import ReconError, REPO
+from eaglenest.node.recon.status import ReconError, REPO
 
 
 def _update_config(config: dict, overwrite: dict) -> None:

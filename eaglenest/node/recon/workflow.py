@@ -13,8 +13,8 @@ from typing import Iterable
 
 from eaglenest import layout, plan  # shard_header: header checks without torch
 from eaglenest.formats import atomic, shard_header
-from eaglenest.ops.recon.software import safetensors_intact
-from eaglenest.ops.recon.status import BLOCK, NA, OK, REPO, WARN
+from eaglenest.node.recon.software import safetensors_intact
+from eaglenest.node.recon.status import BLOCK, NA, OK, REPO, WARN
 
 
 # Later stages (written by other rule files) and the directory each fills under results/<run>/.

@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 
 from eaglenest import plan
-from eaglenest.ops.recon.status import BLOCK, OK, WARN
-from eaglenest.ops.recon.workflow import hidden_location
+from eaglenest.node.recon.status import BLOCK, OK, WARN
+from eaglenest.node.recon.workflow import hidden_location
 
 
 # Below this much headroom over the preflight's need, the disk check warns.

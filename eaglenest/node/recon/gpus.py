@@ -6,8 +6,8 @@ import shutil
 import subprocess
 from typing import Callable
 
-from eaglenest.ops.recon.processes import describe_process, KIND_LABELS, OURS, process_kind
-from eaglenest.ops.recon.status import BLOCK, NA, OK, WARN
+from eaglenest.node.recon.processes import describe_process, KIND_LABELS, OURS, process_kind
+from eaglenest.node.recon.status import BLOCK, NA, OK, WARN
 
 
 # A GPU holding more than this much memory counts as held by its process.
