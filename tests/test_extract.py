@@ -3,7 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from eaglenest import plan
-from eaglenest.stages import extract, prepare
+from eaglenest.stages import extract
 from eaglenest.formats import shards
 from eaglenest.target_model import runtime as target_runtime
 from eaglenest.target_model import layer_ids as layer_id_convention

@@ -3,7 +3,6 @@
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import yaml

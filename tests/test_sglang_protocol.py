@@ -8,7 +8,6 @@ request crosses a real socket.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

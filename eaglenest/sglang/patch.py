@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from pathlib import Path
 from typing import Callable
 
 from eaglenest.sglang import spool

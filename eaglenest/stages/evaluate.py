@@ -31,7 +31,6 @@ import gzip
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 from eaglenest.formats import atomic

@@ -7,7 +7,6 @@ import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
-import yaml
 
 from eaglenest import plan  # shard_header: header checks without torch
 from eaglenest.formats import shard_header

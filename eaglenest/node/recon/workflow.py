@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import re
-from importlib import metadata
 from pathlib import Path
 from typing import Iterable
 
