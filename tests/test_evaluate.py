@@ -14,7 +14,9 @@ from conftest import REPO, planned_jobs, run_snakemake, synthetic_conversations,
 from eaglenest.stages import eval_sets, evaluate
 from support.eval_chats import user_chats
 
-SETS = ("mt_bench", "humaneval", "support", "heldout")
+# One built-in set (HumanEval goes through the same rules; its reader is tested on its own and in
+# the real-SmolLM2 demo run), a user set and a held-out set.
+SETS = ("mt_bench", "support", "heldout")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -180,7 +182,7 @@ def evaluated_workdir(tmp_path_factory, tiny_llama):
     user_chats(workdir / "data" / "support_chats.jsonl")  # relative to the workflow's directory, as a user writes it
     config = tiny_workflow_config(workdir, tiny_llama, conversations, evaluate={
         "drafter": str(workdir / "drafter"), "num_prompts": 2,
-        "sets": ["mt_bench", "humaneval", {"name": "support", "path": "data/support_chats.jsonl", "num_prompts": None}],
+        "sets": ["mt_bench", {"name": "support", "path": "data/support_chats.jsonl", "num_prompts": None}],
         "max_new_tokens": 8, "temperature": 0, "threads": 1, "prompt_chunks": 2,
         "drafting": [{"steps": 2, "topk": 1, "tokens": 3}, {"steps": 2, "topk": 2, "tokens": 4}],
     })
@@ -207,7 +209,7 @@ def test_every_evaluation_job_is_lossless_and_the_summary_lists_it(evaluated_wor
             assert [p["id"] for part in parts for p in part["per_prompt"]] == [p["id"] for p in job["per_prompt"]]
             assert job["tau"] == job["tokens"] / job["cycles"] >= 1.0
     summary = json.loads((results / "summary.json").read_text())
-    assert len(summary["rows"]) == 8 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
+    assert len(summary["rows"]) == 6 and summary["headline"].startswith("tau (steps2-topk1-tokens3): mt_bench")
     assert "support" in summary["headline"] and "heldout" in summary["headline"]
 
 
