@@ -83,6 +83,12 @@ def test_a_wheel_installed_in_a_fresh_environment_reads_the_schema_and_runs_the_
     assert '"run"' in recon.stdout or "smollm2-default" in recon.stdout
 
 
+def test_the_package_schema_is_the_link_to_config_schema_not_a_copy():
+    # A copy would drift from the schema the workflow validates with (a `sed -i` turns a link into one).
+    link = REPO / "eaglenest" / "config_schema.yaml"
+    assert link.is_symlink() and link.resolve() == (REPO / "config" / "schema.yaml").resolve()
+
+
 def test_no_product_module_names_a_path_under_tests():
     offenders = [
         f"{path.relative_to(REPO)}:{number}"
