@@ -127,6 +127,14 @@ def check_server(
     return info
 
 
+def post_json(url: str, payload: dict, timeout_s: float):
+    """POST ``payload`` as JSON to ``url``; the parsed answer. urllib's errors (HTTPError,
+    URLError, timeouts) reach the caller, which decides what is worth a retry."""
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
 # How long a failed request's other samples may take to land before they are left to the next
 # job's cleanup (remove_leftovers).
 DISCARD_WAIT_S = 10.0
@@ -155,12 +163,8 @@ class _ShardRequests:
         self.first_error: SglangServerError | None = None  # the cause, not the "stopped" echoes
 
     def _post(self, payload: dict):
-        request = urllib.request.Request(
-            self.url + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
+            return post_json(self.url + "/generate", payload, self.timeout_s)
         except urllib.error.HTTPError as err:
             body = err.read()[:500].decode(errors="replace")
             if err.code >= 500 or err.code == 429:

@@ -34,8 +34,8 @@ drafter's SGLang export (``--speculative-algorithm EAGLE3`` and the setting's
 flags (a container wrapper; on a machine without a GPU, a server that reads SGLang's flags).
 
 As a Snakemake service (rule sglang_server, ``--service-file``): the server gets a free
-port and, unless it is the stand-in, GPU slots for its tensor-parallel ranks; the
-launcher publishes its state in the service file (``starting`` with its pid, ``ready``
+port and GPU slots for its tensor-parallel ranks (none for an ``EAGLENEST_SGLANG_COMMAND``
+server on a node without GPUs); the launcher publishes its state in the service file (``starting`` with its pid, ``ready``
 with the URL, ``failed`` with the reason), which the block's shard jobs wait on, because
 Snakemake starts a service and its consumers at the same moment. SIGTERM or SIGINT (how
 Snakemake ends a service) stops the server's whole process group and exits 0; a

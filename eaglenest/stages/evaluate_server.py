@@ -33,7 +33,6 @@ import logging
 import os
 import time
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,12 +50,8 @@ HISTOGRAM_KEYS = ("spec_correct_drafts_histogram", "spec_accept_histogram")
 
 
 def post_generate(url: str, payload: dict, timeout_s: float) -> dict:
-    request = urllib.request.Request(
-        url.rstrip("/") + "/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+        return sglang_client.post_json(url.rstrip("/") + "/generate", payload, timeout_s)
     except urllib.error.HTTPError as err:
         raise sglang_client.SglangServerError(
             f"{url}/generate answered {err.code}: {err.read()[:500].decode(errors='replace')}"
