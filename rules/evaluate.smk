@@ -174,7 +174,9 @@ rule evaluate_sglang:
     params:
         target_name=config["target"]["name"],
         drafting=evaluation_server_drafting,
-        drafter=lambda wildcards: evaluation_server_drafter(wildcards).get("drafter", ""),
+        drafter=lambda wildcards: evaluation_server_drafter(wildcards).get(
+            "drafter", ""
+        ),
         num_prompts=eval_set_num_prompts,
         max_new_tokens=config["evaluate"]["max_new_tokens"],
         concurrency=config["evaluate"]["sglang"]["concurrency"],
