@@ -366,6 +366,19 @@ def eval_server_settings():
     return [PLAIN_SERVER, *drafting_configs()]
 
 
+if EVAL_SERVERS and not EVAL_SERVER_STARTED:
+    missing_urls = [
+        name
+        for name in eval_server_settings()
+        if not config["evaluate"]["sglang"]["urls"].get(name)
+    ]
+    if missing_urls:
+        raise ValueError(
+            "evaluate.sglang.start_server is false, so evaluate.sglang.urls must name the server "
+            f"started by hand for every setting; missing: {', '.join(missing_urls)}"
+        )
+
+
 def eval_server_setting_pattern():
     return "|".join(re.escape(name) for name in eval_server_settings())
 

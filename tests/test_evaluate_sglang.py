@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -193,6 +194,65 @@ def test_a_killed_run_measures_only_the_missing_settings(tmp_path, tiny_llama, s
         assert "ready: " in (logs / name / "launcher.log").read_text()
     assert json.loads((tmp_path / "results" / "tiny" / "evaluate" / "summary.json").read_text())["lossless"] is True
     assert planned_jobs(tmp_path, configfile, SUMMARY) == {}
+
+
+@pytest.mark.workflow
+def test_servers_started_by_hand_are_measured_at_their_urls_and_a_missing_url_is_refused(tmp_path, tiny_llama,
+                                                                                          sglang_standin):
+    """evaluate.sglang.start_server false: the user starts one server per setting with the
+    launcher (--url), names them in evaluate.sglang.urls, and the workflow starts none."""
+    import socket
+
+    spool = tmp_path / "spool"
+    setting = SETTINGS[0]
+    configfile = server_run(tmp_path, tiny_llama, spool, drafting=[{"steps": 2, "topk": 1, "tokens": 3}],
+                            sglang={"concurrency": [1], "start_server": False})
+
+    def free_url() -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+    urls = {"plain": free_url(), setting: free_url()}
+    values = yaml.safe_load(configfile.read_text())
+    values["evaluate"]["sglang"]["urls"] = {"plain": urls["plain"]}
+    configfile.write_text(yaml.safe_dump(values, sort_keys=False))
+    refused = run_snakemake(tmp_path, configfile, "-n", SUMMARY, check=False)
+    assert refused.returncode != 0 and f"missing: {setting}" in refused.stdout + refused.stderr, refused.stdout[-3000:]
+
+    values["evaluate"]["sglang"]["urls"] = urls
+    configfile.write_text(yaml.safe_dump(values, sort_keys=False))
+    launcher = [sys.executable, "-m", "eaglenest.sglang.launch", "--configfile", str(configfile), "--mode", "serve"]
+    drafting = ["--drafting-json", json.dumps({"steps": 2, "topk": 1, "tokens": 3}),
+                "--draft-model", values["evaluate"]["drafter"]]
+    launchers = {
+        name: subprocess.Popen([*launcher, "--url", url, "--state-dir", str(tmp_path / "by-hand" / name),
+                                *(drafting if name != "plain" else [])],
+                               cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        for name, url in urls.items()
+    }
+    try:
+        assert wait_for(lambda: all((tmp_path / "by-hand" / name / "server.json").exists() for name in urls), 120), \
+            {name: (tmp_path / "by-hand" / name / "launcher.log").read_text()[-2000:] for name in urls
+             if (tmp_path / "by-hand" / name / "launcher.log").exists()}
+        jobs = planned_jobs(tmp_path, configfile, SUMMARY)
+        assert "evaluate_server" not in jobs and jobs["evaluate_sglang"] == 2, jobs
+        result = run_snakemake(tmp_path, configfile, "--cores", "2", SUMMARY, check=False)
+        assert result.returncode == 0, f"{result.stderr[-6000:]}\n{run_logs(tmp_path)}"
+    finally:
+        for process in launchers.values():
+            process.terminate()
+        for process in launchers.values():
+            process.wait(timeout=60)
+    served = json.loads((tmp_path / "by-hand" / setting / "server.json").read_text())
+    assert served["url"] == urls[setting]
+    results = tmp_path / "results" / "tiny" / "evaluate"
+    part = json.loads((results / "mt_bench" / setting / "server.json").read_text())
+    assert part["url"] == urls[setting], part["url"]
+    metrics = json.loads((results / "mt_bench" / setting / "metrics.json").read_text())
+    assert metrics["backend"] == "sglang" and metrics["lossless"] is True and metrics["tau"] >= 1.0
+    assert not (tmp_path / "logs" / "tiny" / "sglang" / "evaluate").exists()  # no server of the workflow's own
+    assert_no_server_left(spool, [served])
 
 
 def alive(pid: int) -> bool:

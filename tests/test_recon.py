@@ -289,6 +289,41 @@ def test_patched_sglang_for_this_run_is_accepted_and_one_for_another_target_is_n
     assert section["probe"]["kind"] == "sglang" and "plain SGLang" in section["summary"]
 
 
+def test_every_stage_that_uses_a_server_is_checked_and_each_hand_started_one_probed(http_server, tmp_path):
+    override = tmp_path / "servers.yaml"
+    plain = http_server({"/get_model_info": {"model_path": "tiny", "is_generation": True}})
+    vllm = http_server({"/v1/models": VLLM_MODELS})
+    override.write_text(yaml.safe_dump({
+        "regenerate": {"enabled": True, "backend": "openai", "start_server": False, "url": vllm},
+        "evaluate": {"backend": "sglang", "temperature": 0,
+                     "drafting": [{"steps": 3, "topk": 1, "tokens": 4}, {"steps": 6, "topk": 10, "tokens": 60}],
+                     "sglang": {"start_server": False, "urls": {"plain": plain, "steps3-topk1-tokens4": vllm}}},
+    }))
+    config = recon.load_config(recon.REPO, [str(override)])
+    section = recon.check_servers(config, {}, listeners=[])
+    checked = {(one["stage"], one["name"]): one for one in section["checked"]}
+    assert sorted(checked) == [("evaluate", "plain"), ("evaluate", "steps3-topk1-tokens4"),
+                               ("evaluate", "steps6-topk10-tokens60"), ("regenerate", "regenerate")]
+    # Regeneration speaks OpenAI chat completions, which vLLM serves too; evaluation reads SGLang's meta_info.
+    assert checked["regenerate", "regenerate"]["status"] == recon.OK
+    assert checked["evaluate", "plain"]["status"] == recon.OK
+    assert checked["evaluate", "steps3-topk1-tokens4"]["status"] == recon.BLOCK
+    assert "something else answers: vLLM" in checked["evaluate", "steps3-topk1-tokens4"]["summary"]
+    missing = checked["evaluate", "steps6-topk10-tokens60"]
+    assert missing["status"] == recon.BLOCK and "names no server URL" in missing["summary"]
+    assert "evaluate.sglang.urls.steps6-topk10-tokens60" in missing["steps"][0]["why"]
+    assert section["status"] == recon.BLOCK and section["summary"].startswith("evaluate ")
+    # Extraction uses the transformers backend here: no server of its own is checked.
+    assert section["probe"] is None and section["url"] is None
+
+    override.write_text(yaml.safe_dump({"regenerate": {"enabled": True, "backend": "openai"},
+                                        "evaluate": {"backend": "sglang", "temperature": 0}}))
+    section = recon.check_servers(recon.load_config(recon.REPO, [str(override)]), {}, listeners=[])
+    assert section["status"] == recon.NA and section["checked"] == []
+    assert "one server for the regenerate jobs" in section["summary"]
+    assert "a server per drafting setting and a plain one" in section["summary"]
+
+
 def test_proc_net_tcp_listeners_are_parsed_for_ipv4_and_ipv6():
     text = (
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"

@@ -508,6 +508,9 @@ def main(argv=None) -> int:
     parser.add_argument("--state-dir", default=None, help="server log, plugin record, server.json (default logs/<run>/sglang)")
     parser.add_argument("--service-file", default=None, help="run as the workflow's service: publish state here, pick a free port")
     parser.add_argument("--print-command", action="store_true", help="print the server command and settings, start nothing")
+    parser.add_argument("--url", default=None,
+                        help="listen here instead of extract.sglang.url, e.g. one evaluation server per setting "
+                             "started by hand (evaluate.sglang.urls)")
     parser.add_argument("--mode", choices=MODES, default="capture",
                         help="capture: hidden states for extraction (default); serve: generation for the regenerate "
                              "and evaluate stages")
@@ -527,7 +530,8 @@ def main(argv=None) -> int:
     try:
         settings = sglang_settings(config)
         capture = capture_settings(config, options.mode)
-        url = url_with_free_port(settings["url"]) if options.service_file else settings["url"]
+        url = options.url or settings["url"]
+        url = url_with_free_port(url) if options.service_file else url
         # The flags depend on the sglang of this env; without one, the pinned version's.
         version = installed_sglang_version() or sglang_patch.SGLANG_VERSION
         command_for = lambda server_url: launch_command(  # noqa: E731

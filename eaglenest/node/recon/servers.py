@@ -11,8 +11,9 @@ import urllib.error
 import urllib.request
 
 from eaglenest import plan
+from eaglenest.model.draft_tree import Drafting
 from eaglenest.node.recon.processes import describe_process, KIND_LABELS, read_proc_text
-from eaglenest.node.recon.status import BLOCK, NA, OK
+from eaglenest.node.recon.status import BLOCK, NA, OK, WARN
 
 
 def parse_proc_net_tcp(text: str) -> list[dict]:
@@ -150,57 +151,115 @@ def server_mismatch(info: dict, config: dict) -> list[str]:
     return [f"{key} {info.get(key)!r} != {value!r}" for key, value in expected.items() if info.get(key) != value]
 
 
-def check_servers(config: dict, processes: dict[int, dict], listeners: list[dict] | None = None,
-                  server_url: str | None = None, timeout: float = 3.0) -> dict:
-    listeners = listening_ports(processes) if listeners is None else listeners
-    servers = [
-        s for s in listeners
-        if s["process"] and s["process"]["kind"] in ("eaglenest-sglang", "sglang", "vllm")
-    ]
-    listing = ", ".join(f"{s['process']['kind_label']} pid {s['process']['pid']} on :{s['port']}" for s in servers)
-    url = server_url or configured_server_url(config)
-    backend = config["extract"]["backend"]
-    result = {"listening_servers": servers, "url": url, "backend": backend, "probe": None, "steps": []}
-    if backend != "sglang" and server_url is None:
-        result["status"] = NA
-        result["summary"] = f"extract.backend={backend} needs no server" + (f"; found {listing}" if listing else "")
-        return result
-    if config["extract"].get("sglang", {}).get("start_server", True) and server_url is None:
-        # Rule sglang_server starts one per block of shards on a free port; none runs between runs.
-        result["status"] = NA
-        result["summary"] = "the workflow starts a server per block of shards (extract.sglang.start_server)" + (
-            f"; found {listing}" if listing else ""
-        )
-        return result
+# Which answers each stage can use. Extraction needs the patched server (the capture route);
+# regeneration talks OpenAI chat completions, which any of these serve; evaluation reads
+# SGLang's speculative meta_info from /generate, which the patched server also answers.
+ACCEPTED_KINDS = {
+    "extract": ("eaglenest-sglang",),
+    "regenerate": ("eaglenest-sglang", "sglang", "vllm", "openai-compatible"),
+    "evaluate": ("eaglenest-sglang", "sglang"),
+}
+RANK = {NA: 0, OK: 1, WARN: 2, BLOCK: 3}
+
+
+def server_uses(config: dict, server_url: str | None = None) -> list[dict]:
+    """Every stage of this config that talks to an inference server: {stage, started (the
+    workflow starts its servers itself), urls (name -> URL of servers started by hand)}."""
+    uses = []
+    extract = config["extract"]
+    if extract["backend"] == "sglang" or server_url is not None:
+        started = extract.get("sglang", {}).get("start_server", True) and server_url is None
+        uses.append({"stage": "extract", "started": started,
+                     "what": "a server per block of shards (extract.sglang.start_server)",
+                     "urls": {"extract": server_url or configured_server_url(config)}})
+    regenerate = config.get("regenerate", {})
+    if regenerate.get("enabled") and regenerate.get("backend") == "openai":
+        uses.append({"stage": "regenerate", "started": regenerate.get("start_server", True),
+                     "what": "one server for the regenerate jobs (regenerate.start_server)",
+                     "urls": {"regenerate": regenerate.get("url")}})
+    evaluate = config.get("evaluate", {})
+    if evaluate.get("enabled") and evaluate.get("backend") == "sglang":
+        sglang = evaluate.get("sglang", {})
+        names = ["plain", *(Drafting.from_dict(d).name for d in evaluate.get("drafting", []))]
+        uses.append({"stage": "evaluate", "started": sglang.get("start_server", True),
+                     "what": "a server per drafting setting and a plain one (evaluate.sglang.start_server)",
+                     "urls": {name: (sglang.get("urls") or {}).get(name) for name in names}})
+    return uses
+
+
+def _check_one(stage: str, name: str, url: str | None, config: dict, listeners: list[dict], timeout: float) -> dict:
+    """One hand-started server: what answers at its URL and whether the stage can use it."""
+    label = stage if name == stage else f"{stage} {name}"
+    result = {"stage": stage, "name": name, "url": url, "probe": None, "steps": []}
     if not url:
-        result["status"] = BLOCK
-        result["summary"] = "extract.backend=sglang but the config names no server URL"
-        result["steps"].append({"command": None, "why": "set the SGLang server URL in the config"})
+        result.update(status=BLOCK, summary=f"{label}: the config names no server URL")
+        key = "evaluate.sglang.urls." + name if stage == "evaluate" else f"{stage}.{'sglang.' if stage == 'extract' else ''}url"
+        result["steps"].append({"command": None, "why": f"set {key} in the config, or let the workflow start the server"})
         return result
     probe = probe_server(url, timeout)
     result["probe"] = probe
     port = _url_port(url)
     holder = next((s["process"] for s in listeners if s["port"] == port and s["process"]), None)
     mismatch = server_mismatch(probe["info"], config) if probe["kind"] == "eaglenest-sglang" else []
-    if probe["kind"] == "eaglenest-sglang" and not mismatch:
-        result["status"] = OK
-        result["summary"] = f"{url}: patched SGLang serving {probe['model']}"
+    if stage != "extract":
+        mismatch = []  # only extraction depends on the capture's layers and patch version
+    if probe["kind"] in ACCEPTED_KINDS[stage] and not mismatch:
+        served = "patched SGLang" if probe["kind"] == "eaglenest-sglang" else KIND_LABELS.get(probe["kind"], probe["kind"])
+        result.update(status=OK, summary=f"{label} {url}: {served} serving {probe['model']}")
     elif probe["kind"] == "nothing":
-        result["status"] = BLOCK
-        result["summary"] = f"{url}: nothing answers"
-        result["steps"].append({"command": "python -m eaglenest.sglang.launch", "with_configfiles": True,
-                                "why": f"start the patched SGLang server on {url}"})
+        result.update(status=BLOCK, summary=f"{label} {url}: nothing answers")
+        command = "python -m eaglenest.sglang.launch" + ("" if stage == "extract" else " --mode serve")
+        result["steps"].append({"command": command, "with_configfiles": True, "why": f"start the {label} server on {url}"})
     else:
         what = {"eaglenest-sglang": f"patched SGLang for another run ({'; '.join(mismatch)})"}.get(
             probe["kind"], KIND_LABELS.get(probe["kind"], probe["kind"])
         )
-        result["status"] = BLOCK
-        result["summary"] = f"{url}: something else answers: {what}" + (f" ({probe['detail']})" if probe["detail"] else "")
+        result.update(status=BLOCK, summary=f"{label} {url}: something else answers: {what}"
+                      + (f" ({probe['detail']})" if probe["detail"] else ""))
+        wanted = "the patched server" if stage == "extract" else "the server it needs"
         if holder:
             result["steps"].append({"command": f"kill {holder['pid']}",
-                                    "why": f"stop pid {holder['pid']} ({holder['kind_label']} on port {port}), then start the patched server"})
+                                    "why": f"stop pid {holder['pid']} ({holder['kind_label']} on port {port}), then start {wanted}"})
         else:
-            result["steps"].append({"command": None, "why": f"stop what answers on {url} and start the patched server"})
+            result["steps"].append({"command": None, "why": f"stop what answers on {url} and start {wanted}"})
+    return result
+
+
+def check_servers(config: dict, processes: dict[int, dict], listeners: list[dict] | None = None,
+                  server_url: str | None = None, timeout: float = 3.0) -> dict:
+    """The servers of every stage that uses one (extraction, regeneration with the openai
+    backend, evaluation with the sglang backend). Servers the workflow starts itself are n/a
+    between runs; a server started by hand must answer at its URL and be one the stage can use."""
+    listeners = listening_ports(processes) if listeners is None else listeners
+    servers = [
+        s for s in listeners
+        if s["process"] and s["process"]["kind"] in ("eaglenest-sglang", "sglang", "vllm")
+    ]
+    listing = ", ".join(f"{s['process']['kind_label']} pid {s['process']['pid']} on :{s['port']}" for s in servers)
+    uses = server_uses(config, server_url)
+    extract_url = next((use["urls"]["extract"] for use in uses if use["stage"] == "extract"), None)
+    result = {"listening_servers": servers, "url": extract_url, "backend": config["extract"]["backend"],
+              "probe": None, "checked": [], "steps": []}
+    parts = []
+    for use in uses:
+        if use["started"]:
+            parts.append((NA, f"the workflow starts {use['what']}"))
+            continue
+        for name, url in use["urls"].items():
+            one = _check_one(use["stage"], name, url, config, listeners, timeout)
+            result["checked"].append(one)
+            result["steps"].extend(one["steps"])
+            if use["stage"] == "extract":
+                result["probe"] = one["probe"]
+            parts.append((one["status"], one["summary"]))
+    if not parts:
+        result["status"] = NA
+        result["summary"] = f"extract.backend={result['backend']} needs no server; no stage uses one"
+    else:
+        result["status"] = max((status for status, _ in parts), key=RANK.__getitem__)
+        # The worst first: the line the report shows is cut at its width.
+        ordered = sorted(parts, key=lambda part: -RANK[part[0]])
+        result["summary"] = "; ".join(summary for _, summary in ordered)
     if listing:
         result["summary"] += f"; found {listing}"
     return result
