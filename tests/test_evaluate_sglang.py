@@ -107,6 +107,8 @@ def test_each_setting_is_served_by_its_own_speculating_server_and_summarized(eva
     summary = json.loads((results / "summary.json").read_text())
     assert [(r["drafting"], r["backend"], r["concurrency"]) for r in summary["rows"]] == [
         (name, "sglang", 1) for name in SETTINGS]
+    assert summary["headline"].startswith(f"tau ({SETTINGS[0]}): mt_bench ")
+    assert "; speedup vs the plain SGLang server at concurrency 1: " in summary["headline"], summary["headline"]
     header, *rows = [line.split("\t") for line in (results / "summary.tsv").read_text().splitlines()]
     assert header[:10] == ["eval_set", "drafting", "method", "prompts", "tau", "acceptance_by_position", "speedup",
                            "spec_tok_per_s", "target_tok_per_s", "lossless"]

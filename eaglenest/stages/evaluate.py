@@ -429,7 +429,13 @@ def headline(summary: dict) -> str:
     speedups = [_times(r["speedup"]) for r in summary["rows"] if r["drafting"] == first]
     if all(r["speedup"] is None for r in summary["rows"]):
         return f"tau ({first}, replayed on the target's greedy output): {', '.join(parts)}"
-    return f"tau ({first}): {', '.join(parts)}; speedup vs the target alone: {', '.join(speedups)}"
+    rows = [r for r in summary["rows"] if r["drafting"] == first]
+    if rows[0].get("backend") == "sglang":
+        concurrency = rows[0].get("concurrency")
+        baseline = f"the plain SGLang server at concurrency {concurrency}"
+    else:
+        baseline = "the target alone"
+    return f"tau ({first}): {', '.join(parts)}; speedup vs {baseline}: {', '.join(speedups)}"
 
 
 def _pyplot():
