@@ -9,6 +9,7 @@ from snakemake.utils import validate
 
 from eaglenest import layout, plan, settings
 from eaglenest.model.draft_tree import Drafting
+from eaglenest.sglang import SERVICE_STARTING_SHELL
 from eaglenest.stages import eval_sets
 
 validate(config, schema="../config/schema.yaml")
@@ -137,13 +138,12 @@ def regenerate_gpus():
     return 0 if REGENERATE_SERVER else config["regenerate"]["gpus_per_job"]
 
 
-# Rules sglang_server and regenerate_server: the launcher as a service. touch: the consumers
-# fail unless the service file exists within --latency-wait, long before a model is loaded;
-# the launcher then writes its state into it. exec: Snakemake's SIGTERM must reach the
-# launcher, which stops the server. PYTHONPATH: the sglang env does not install eaglenest
-# (envs/sglang.yaml).
+# Rules sglang_server, regenerate_server and evaluate_server: the launcher as a service.
+# The service file first names the shell (SERVICE_STARTING_SHELL says why). exec:
+# Snakemake's SIGTERM must reach the launcher, which stops the server. PYTHONPATH: the
+# sglang env does not install eaglenest (envs/sglang.yaml).
 LAUNCHER_SHELL = (
-    "touch {output:q} && "
+    SERVICE_STARTING_SHELL + " && "
     "PYTHONPATH={params.repo:q}${{PYTHONPATH:+:$PYTHONPATH}} "
     "exec {params.python:q} -m eaglenest.sglang.launch --mode {params.mode} --service-file {output:q} "
     "--state-dir {params.state_dir:q} --config-json {params.config_json:q} "

@@ -6,6 +6,7 @@ started, waited on and stopped by the same launcher and rules as the patched SGL
 from __future__ import annotations
 
 import json
+import shlex
 import os
 import signal
 import socket
@@ -323,6 +324,25 @@ def test_shard_jobs_learn_at_once_why_their_server_did_not_start(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.integration
+def test_shard_jobs_learn_at_once_that_a_launcher_died_before_writing_its_state(tmp_path):
+    """The server rules' shell first writes the service file naming itself, then execs the
+    launcher: here an interpreter that cannot run it (exit 3), as in an env without eaglenest."""
+    from eaglenest.sglang import SERVICE_STARTING_SHELL
+
+    service_file = tmp_path / "block-00000.json"
+    first = SERVICE_STARTING_SHELL.replace("{output:q}", shlex.quote(str(service_file)))
+    first = first.replace("{{", "{").replace("}}", "}")
+    shell = subprocess.Popen(["bash", "-c", f"{first} && sleep 1 && exec {sys.executable} -c 'raise SystemExit(3)'"])
+    started = time.monotonic()
+    try:
+        with pytest.raises(sglang_client.SglangServerError, match=rf"launcher of the block's SGLang server \(pid {shell.pid}\) is gone, its record says 'starting'"):
+            sglang_launch.wait_for_service(service_file, startup_timeout_s=3600, poll_s=0.2)
+        assert time.monotonic() - started < 30  # not LAUNCHER_START_TIMEOUT_S
+    finally:
+        assert shell.wait(timeout=30) == 3
 
 
 @pytest.mark.workflow

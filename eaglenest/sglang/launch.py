@@ -306,12 +306,16 @@ def write_service_record(path: str | os.PathLike, state: str, **fields) -> None:
 
 
 def read_service_record(path: str | os.PathLike) -> dict | None:
-    """The record, or None while the file is missing or still empty (launcher not started yet)."""
+    """The record, or None while the file is missing, empty or half written by the rule's shell
+    (it is replaced atomically only once the launcher runs)."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
         return None
-    return json.loads(text) if text.strip() else None
+    try:
+        return json.loads(text) if text.strip() else None
+    except json.JSONDecodeError:
+        return None
 
 
 def _launcher_died(record: dict) -> bool:
@@ -355,7 +359,7 @@ def wait_for_service(path: str | os.PathLike, startup_timeout_s: float, poll_s: 
         elif _launcher_died(record):
             raise sglang_client.SglangServerError(
                 f"the launcher of the block's SGLang server (pid {record['launcher_pid']}) is gone, its record says "
-                f"{record['state']!r}; see {record.get('log')}"
+                f"{record['state']!r}; see {record.get('log') or 'the launcher log of its server rule'}"
             )
         elif record["state"] == "ready":
             return record
