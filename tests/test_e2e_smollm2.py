@@ -29,7 +29,9 @@ def e2e_run(tmp_path_factory):
     # One thread per job, so that two jobs share the 2 cores: loading the model and decoding
     # one token at a time keep a second thread of the same job mostly idle (~30 s less).
     config["extract"].update(threads=1, disk_reserve_mb=0)
-    config["evaluate"]["threads"] = 1
+    # Both sets and both settings (a chain and a tree), at 2 prompts of 24 tokens: decoding
+    # the real model on the CPU is most of this run.
+    config["evaluate"].update(threads=1, num_prompts=2, max_new_tokens=24)
     config["consolidate"]["draft_vocab_size"] = 2048
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))

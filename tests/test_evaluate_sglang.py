@@ -7,6 +7,7 @@ reporting its cycles in meta_info under SGLang's keys."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
+from conftest import REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config
 from eaglenest.sglang import launch as sglang_launch
 from eaglenest.stages import evaluate_server
 from test_sglang_service import assert_no_server_left, processes_mentioning, run_logs
@@ -144,6 +145,26 @@ def test_the_servers_accept_length_is_the_replay_tau_on_the_same_prompts(evaluat
         part = json.loads((served / name / "server.json").read_text())
         for plain, outputs in zip(reference, part["runs"][0]["per_prompt"], strict=True):
             assert outputs["output_ids"] == plain["tokens"][: plain["output_length"]], plain["id"]
+
+    # benchmarks/sglang_serve.py: the issue's table from these two runs' files.
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_serve.py"), "--workdir", str(workdir),
+                             "--run", "tiny", "--replay-run", "tiny-replay", "--gpu", "cpu", "--out",
+                             str(workdir / "serve.json")], capture_output=True, text=True, check=True)
+    table = json.loads((workdir / "serve.json").read_text())
+    assert table["gpu"] == "cpu" and table["drafter"]["path"] == str(workdir / "export" / "sglang")
+    assert table["drafter"]["sha256"] == hashlib.sha256(
+        (workdir / "export" / "sglang" / "model.safetensors").read_bytes()).hexdigest()
+    rows = {(row["drafting"], row["concurrency"]): row for row in table["serve"]}
+    assert sorted(rows) == sorted((name, c) for name in ("plain", *SETTINGS) for c in (1, 2))
+    for name in SETTINGS:
+        served_metrics, replayed_metrics = (json.loads((root / name / "metrics.json").read_text()) for root in (served, replayed))
+        row = rows[name, 1]
+        assert row["replay_tau"] == replayed_metrics["tau"] and row["tau"] == served_metrics["tau"]
+        assert row["accept_length"] == served_metrics["server_accept_length"] and row["prompts"] == 3
+        # The stand-in is started with the launcher's default flags: CUDA graphs on.
+        assert row["cuda_graph"] is True and row["attention_backend"]
+    assert rows["plain", 2]["accept_length"] is None and rows["plain", 2]["tokens_per_s"] > 0
+    assert result.stdout.splitlines()[0].startswith("drafting\tcuda graph\tattention")
 
 
 @pytest.mark.workflow

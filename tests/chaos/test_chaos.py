@@ -20,9 +20,12 @@ CI_SERVER_FAULTS = ["server_killed_mid_shard", "server_slow", "server_shape_mism
 
 def test_pipeline_survives_kills_disk_full_corruption_server_faults_and_bad_records(tmp_path):
     # 3 shards (the documented run has 5): a corruption still has untouched shards beside its
-    # victim, and every pipeline run of the harness has four extraction jobs fewer.
+    # victim, and every pipeline run of the harness has four extraction jobs fewer. No
+    # evaluation stage: 3 kills aim at ingest, extract and train (kill i of N at stage i*7/N),
+    # and evaluation is not among the compared products; the documented run kills it too.
     summary = chaos.run_chaos(tmp_path / "chaos", kills=3, seed=3, corruptions=1, bad_record_examples=120,
-                              samples_per_shard=14, checkpoint_corruptions=1, server_fault_names=CI_SERVER_FAULTS)
+                              samples_per_shard=14, checkpoint_corruptions=1, server_fault_names=CI_SERVER_FAULTS,
+                              evaluate=False)
     table = chaos.format_table(summary)
     assert summary["faults_injected"]["kill"] == 3, table
     assert summary["samples_lost"] == 0, table

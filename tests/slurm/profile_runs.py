@@ -11,6 +11,7 @@ from conftest import REPO, snakemake_command, synthetic_conversations, tiny_work
 from . import local_slurm
 
 PROFILE = REPO / "profiles" / "slurm"
+SHARD_COUNT = 3
 # The test cluster has no accounting database: the plugin's default status command (sacct)
 # would fail on every poll and the run would wait forever. The first status check comes
 # after 5 s instead of the plugin's 40 s, which only makes the tiny jobs finish sooner: the
@@ -33,9 +34,12 @@ def new_slurm_workdir(tmp_path_factory, tiny_llama, name: str) -> tuple[Path, Pa
     runs two torchrun processes inside its allocation. Evaluation is left out: it is the
     same kind of single-process job as export and would only lengthen the Slurm stage."""
     workdir = tmp_path_factory.mktemp(name)
-    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
+    # 3 shards of 10: enough for extraction jobs side by side and for one cancelled among
+    # finished ones, each job fewer a Slurm submission less.
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 10 * SHARD_COUNT)
     config = tiny_workflow_config(
-        workdir, tiny_llama, conversations, extract={"gpus_per_job": 1}, train={"cpu_processes": 2},
+        workdir, tiny_llama, conversations, data={"max_conversations": 10 * SHARD_COUNT, "samples_per_shard": 10},
+        extract={"gpus_per_job": 1}, train={"cpu_processes": 2},
         evaluate={"enabled": False},
     )
     return workdir, config
@@ -52,9 +56,9 @@ def run_through_slurm(workdir: Path, configfile: Path, *args: str, check: bool =
     return result
 
 
-def planned_through_slurm(workdir: Path, configfile: Path, **kwargs) -> dict[str, int]:
-    """Rule name -> job count that ``snakemake -n`` plans through the profile."""
-    result = run_through_slurm(workdir, configfile, "-n", "--quiet", "rules", **kwargs)
+def planned_through_slurm(workdir: Path, configfile: Path, *targets: str, **kwargs) -> dict[str, int]:
+    """Rule name -> job count that ``snakemake -n`` plans through the profile (for ``targets``)."""
+    result = run_through_slurm(workdir, configfile, "-n", "--quiet", "rules", *(("--", *targets) if targets else ()), **kwargs)
     counts = {}
     for line in (result.stdout + result.stderr).splitlines():
         parts = line.split()

@@ -17,11 +17,14 @@ from eaglenest.formats import atomic
 
 from . import local_slurm
 from .profile_runs import (
-    PROFILE, finished_jobs, new_slurm_workdir, planned_through_slurm, run_through_slurm, slurm_command, slurm_env,
+    PROFILE, SHARD_COUNT, finished_jobs, new_slurm_workdir, planned_through_slurm, run_through_slurm, slurm_command,
+    slurm_env,
 )
 
-SHARDS = [f"shard-{i:05d}.safetensors" for i in range(4)]
-WHOLE_RUN = {"ingest": 1, "prepare": 4, "prepare_report": 1, "extract_hidden_states": 4, "consolidate": 1, "train_drafter": 1, "export_drafter": 1, "all": 1}
+SHARDS = [f"shard-{i:05d}.safetensors" for i in range(SHARD_COUNT)]
+WHOLE_RUN = {"ingest": 1, "prepare": SHARD_COUNT, "prepare_report": 1, "extract_hidden_states": SHARD_COUNT, "consolidate": 1,
+             "train_drafter": 1, "export_drafter": 1, "all": 1}
+CONSOLIDATED = "results/tiny/consolidated/index.json"
 
 
 def hidden_dir(workdir: Path) -> Path:
@@ -68,7 +71,7 @@ def test_default_pipeline_completes_through_slurm_in_the_partition_from_the_envi
     # (the cluster's default partition is another one).
     rules = sorted(re.sub(r"_wildcards_.*", "", job["comment"]) for job in jobs.values())
     assert rules == sorted(["rule_ingest", "rule_prepare_report", "rule_consolidate", "rule_train_drafter", "rule_export_drafter"]
-                           + ["rule_prepare"] * 4 + ["rule_extract_hidden_states"] * 4)
+                           + ["rule_prepare"] * SHARD_COUNT + ["rule_extract_hidden_states"] * SHARD_COUNT)
     assert {job["state"] for job in jobs.values()} == {"COMPLETED"}
     assert {job["partition"] for job in jobs.values()} == {local_slurm.PARTITION}
     # Training ran torchrun inside its allocation.
@@ -86,7 +89,7 @@ def test_each_concurrent_extraction_job_gets_its_own_gpu_from_slurm(slurm_run):
         devices, job_id = found[0]
         assert job_id in jobs, f"{log.name} ran outside this run's Slurm jobs: {job_id}"
         seen[job_id] = devices
-    assert len(seen) == 4
+    assert len(seen) == SHARD_COUNT
     assert set(seen.values()) <= {str(i) for i in range(local_slurm.NODE_GPUS)}
 
     def interval(job_id):
@@ -111,7 +114,7 @@ def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_c
     dry_run = run_through_slurm(workdir, config, "-n")
     dry_run = dry_run.stdout + dry_run.stderr
     extract_resources = re.findall(r"rule extract_hidden_states:.*?resources: ([^\n]*)", dry_run, re.S)
-    assert len(extract_resources) == 4
+    assert len(extract_resources) == SHARD_COUNT
     for resources in extract_resources:
         assert f"slurm_partition={local_slurm.PARTITION}," in resources and "gpu=1," in resources and "cpus_per_gpu=8" in resources
     # No new job id: jobs of earlier tests may age out of slurmctld's memory meanwhile (MinJobAge),
@@ -130,9 +133,10 @@ def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard
         shutil.rmtree(workdir / "results" / "tiny" / stage)
     config = workdir / "config.yaml"
     shards_dir = hidden_dir(workdir)
-    # One job at a time, so the first shards are done while a later one is still running.
+    # One job at a time, so the first shards are done while a later one is still running. The
+    # runs go as far as consolidation: what follows reads the shards as any other run does.
     process = subprocess.Popen(
-        slurm_command(workdir, config, "--jobs", "1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        slurm_command(workdir, config, "--jobs", "1", CONSOLIDATED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=slurm_env(), start_new_session=True,
     )
     cancelled_shard = None
@@ -157,11 +161,11 @@ def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard
     assert process.returncode != 0, output[-3000:]
     survivors = snapshot(shards_dir)
     assert sorted(survivors) == sorted(set(SHARDS) - {cancelled_shard})
-    assert planned_through_slurm(workdir, config) == {"extract_hidden_states": 1, "consolidate": 1, "train_drafter": 1, "export_drafter": 1, "all": 1}
-    run_through_slurm(workdir, config)
+    assert planned_through_slurm(workdir, config, CONSOLIDATED) == {"extract_hidden_states": 1, "consolidate": 1}
+    run_through_slurm(workdir, config, CONSOLIDATED)
     after = snapshot(shards_dir)
     assert sorted(after) == SHARDS
     for name, state in survivors.items():
         assert after[name] == state, f"{name} was rebuilt although its job was not cancelled"
     assert list(workdir.glob(f"results/**/*{atomic.TMP_MARKER}*")) == []
-    assert planned_through_slurm(workdir, config) == {}
+    assert planned_through_slurm(workdir, config, CONSOLIDATED) == {}

@@ -599,8 +599,10 @@ def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def tiny_setup(workdir: Path, conversations: int, samples_per_shard: int = 8) -> Path:
-    """A tiny random target and synthetic conversations; returns the config path."""
+def tiny_setup(workdir: Path, conversations: int, samples_per_shard: int = 8, evaluate: bool = True) -> Path:
+    """A tiny random target and synthetic conversations; returns the config path.
+    ``evaluate`` False: the pipeline ends at the export (evaluation is not among the products
+    compared with the reference, so it is only a stage to kill)."""
     from support import tiny
 
     target = tiny.make_tiny_target(workdir / "target")
@@ -609,6 +611,7 @@ def tiny_setup(workdir: Path, conversations: int, samples_per_shard: int = 8) ->
     # Frequent checkpoints make kills during training count.
     config = tiny.workflow_config(base, target, source, run="chaos", max_conversations=conversations,
                                   samples_per_shard=samples_per_shard, checkpoint_every=3)
+    config["evaluate"]["enabled"] = evaluate
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -656,14 +659,15 @@ class KindTable:
 def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = None, disk_full: bool = True,
               corruptions: int = 1, bad_record_examples: int = 200, conversations: int = 40, samples_per_shard: int = 8,
               checkpoint_disk_full: bool = True, checkpoint_corruptions: int = 1,
-              server_fault_names: list[str] | None = None) -> dict:
-    """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none."""
+              server_fault_names: list[str] | None = None, evaluate: bool = True) -> dict:
+    """``server_fault_names``: None for all of SERVER_FAULT_NAMES, [] for none; ``evaluate``:
+    whether the tiny pipeline (no ``configfile``) ends with its evaluation stage."""
     from eaglenest.training import checkpoints
 
     rng = random.Random(seed)
     workdir.mkdir(parents=True, exist_ok=True)
     if configfile is None:
-        configfile = tiny_setup(workdir / "inputs", conversations, samples_per_shard)
+        configfile = tiny_setup(workdir / "inputs", conversations, samples_per_shard, evaluate)
     server_fault_names = SERVER_FAULT_NAMES if server_fault_names is None else server_fault_names
     unknown = sorted(set(server_fault_names) - set(SERVER_FAULT_NAMES))
     if unknown:

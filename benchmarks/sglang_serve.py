@@ -1,0 +1,134 @@
+"""The drafter as SGLang serves it: one table and benchmarks/results/sglang_serve_<date>.json
+from a run evaluated through SGLang servers (``evaluate.backend: sglang``), beside the replay
+tau of the same prompts (the same config with ``evaluate.backend: transformers``,
+``evaluate.method: replay`` and another ``run`` name).
+
+    python benchmarks/sglang_serve.py --workdir . --run smollm2-serve --replay-run smollm2-serve-replay \
+        --eval-set mt_bench --out benchmarks/results/sglang_serve_2026-12-04.json
+
+Every figure comes from the run's own files, nothing is measured here:
+- ``results/<run>/evaluate/<set>/<setting>/server.json``: tokens/s per concurrency (the plain
+  server's too) and the server's identity (SGLang version);
+- ``.../metrics.json``: SGLang's accept length (completion tokens / verify steps) and
+  eaglenest's tau per concurrency;
+- ``logs/<run>/sglang/evaluate/<setting>/launcher.log``: the flags the server was started with
+  (CUDA graphs, attention backend); null for servers started by hand;
+- ``results/<replay run>/evaluate/<set>/<setting>/metrics.json``: the replay tau.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+PLAIN = "plain"
+
+
+def server_flags(launcher_log: Path) -> dict:
+    """CUDA graphs and the attention backend from the launcher's last ``starting:`` command line."""
+    if not launcher_log.exists():
+        return {"cuda_graph": None, "attention_backend": None}
+    commands = [line[len("starting: "):] for line in launcher_log.read_text().splitlines() if line.startswith("starting: ")]
+    if not commands:
+        return {"cuda_graph": None, "attention_backend": None}
+    words = shlex.split(commands[-1])
+    backend = words[words.index("--attention-backend") + 1] if "--attention-backend" in words else "sglang default"
+    return {"cuda_graph": "--disable-cuda-graph" not in words, "attention_backend": backend}
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def drafter_identity(path: str) -> dict:
+    """The served export and the sha256 of its weights (model.safetensors)."""
+    weights = Path(path) / "model.safetensors"
+    return {"path": path, "sha256": file_sha256(weights) if weights.exists() else None}
+
+
+def gpu_name() -> str | None:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return names[0].strip() or None
+
+
+def collect(workdir: Path, run: str, eval_set: str, replay_run: str | None = None, gpu: str | None = None) -> dict:
+    evaluated = workdir / "results" / run / "evaluate" / eval_set
+    if not (evaluated / PLAIN / "server.json").exists():
+        raise FileNotFoundError(f"{evaluated / PLAIN / 'server.json'}: no plain server part; was {run!r} evaluated "
+                                "with evaluate.backend sglang?")
+    settings = sorted(p.name for p in evaluated.iterdir() if (p / "server.json").exists() and p.name != PLAIN)
+    parts = {name: json.loads((evaluated / name / "server.json").read_text()) for name in (PLAIN, *settings)}
+    rows = []
+    for name, part in parts.items():
+        flags = server_flags(workdir / "logs" / run / "sglang" / "evaluate" / name / "launcher.log")
+        metrics = {} if name == PLAIN else json.loads((evaluated / name / "metrics.json").read_text())
+        by_concurrency = {c["concurrency"]: c for c in metrics.get("by_concurrency", [])}
+        replay_tau = None
+        if replay_run and name != PLAIN:
+            replay = workdir / "results" / replay_run / "evaluate" / eval_set / name / "metrics.json"
+            replay_tau = json.loads(replay.read_text())["tau"]
+        for measured in part["runs"]:
+            served = by_concurrency.get(measured["concurrency"], {})
+            rows.append({
+                "drafting": name, **flags, "concurrency": measured["concurrency"],
+                "prompts": len(measured["per_prompt"]), "max_new_tokens": part["max_new_tokens"],
+                "tokens_per_s": measured["tokens_per_second"],
+                "accept_length": served.get("server_accept_length"), "tau": served.get("tau"),
+                "replay_tau": replay_tau, "speedup": served.get("speedup"), "lossless": served.get("lossless"),
+            })
+    drafter = next((part["drafter"] for part in parts.values() if part.get("drafter")), None)
+    return {
+        "gpu": gpu or gpu_name(), "sglang": parts[PLAIN]["server"].get("sglang_version"),
+        "drafter": drafter_identity(drafter) if drafter else None, "run": run, "replay_run": replay_run,
+        "eval_set": eval_set, "serve": rows,
+    }
+
+
+def format_table(result: dict) -> str:
+    header = ("drafting", "cuda graph", "attention", "in flight", "prompts", "tokens/s", "speedup", "accept length",
+              "tau", "replay tau")
+    lines = ["\t".join(header)]
+
+    def number(value, digits=2):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    for row in result["serve"]:
+        lines.append("\t".join([
+            row["drafting"], str(row["cuda_graph"]), str(row["attention_backend"]), str(row["concurrency"]),
+            str(row["prompts"]), number(row["tokens_per_s"], 1), number(row["speedup"]), number(row["accept_length"], 3),
+            number(row["tau"], 3), number(row["replay_tau"], 3),
+        ]))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("."), help="the workflow's directory")
+    parser.add_argument("--run", required=True, help="the run evaluated with evaluate.backend sglang")
+    parser.add_argument("--replay-run", default=None, help="the same prompts replayed by the transformers evaluator")
+    parser.add_argument("--eval-set", default="mt_bench")
+    parser.add_argument("--gpu", default=None, help="the device name (default: nvidia-smi's)")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    options = parser.parse_args(argv)
+    result = collect(options.workdir, options.run, options.eval_set, options.replay_run, options.gpu)
+    print(format_table(result))
+    if options.out:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
