@@ -278,6 +278,32 @@ def test_servers_started_by_hand_are_measured_at_their_urls_and_a_missing_url_is
     assert_no_server_left(spool, [served])
 
 
+@pytest.mark.workflow
+def test_the_gpu_serve_driver_plans_the_served_and_the_replayed_evaluation(tmp_path, tiny_llama, sglang_standin):
+    """benchmarks/sglang_serve.sh with DRY_RUN=1: the configs it writes and the jobs they plan
+    (the GPU run itself needs SGLang and a GPU)."""
+    export = sglang_export(tmp_path, tiny_llama)
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Another."]}) + "\n")
+    environment = {**os.environ, "DRY_RUN": "1", "TARGET_DIR": str(tiny_llama), "DRAFTER": str(export),
+                   "EVAL_PROMPTS": str(prompts), "WORK": str(tmp_path / "work"), "PYTHON": sys.executable,
+                   "NUM_PROMPTS": "1"}
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_serve.sh"), str(tmp_path / "out")],
+                            capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    served = yaml.safe_load((tmp_path / "out" / "serve.yaml").read_text())
+    assert served["evaluate"]["backend"] == "sglang" and served["evaluate"]["sglang"]["concurrency"] == [1, 8, 32]
+    assert [d["steps"] for d in served["evaluate"]["drafting"]] == [3, 7, 6]
+    assert served["extract"]["sglang"]["extra_args"] == ["--dtype", "bfloat16", "--mem-fraction-static", "0.4"]
+    replayed = yaml.safe_load((tmp_path / "out" / "serve-replay.yaml").read_text())
+    assert replayed["evaluate"]["method"] == "replay" and replayed["evaluate"]["backend"] == "transformers"
+    # Both runs' job tables (Snakemake may print one twice): served, then replayed.
+    planned = {(parts[0], int(parts[1])) for line in (tmp_path / "out" / "steps.log").read_text().splitlines()
+               if len(parts := line.split()) == 2 and parts[1].isdigit()}
+    assert {("evaluate_server", 4), ("evaluate_sglang", 4), ("evaluate_merge", 3)} <= planned
+    assert {("evaluate_reference", 1), ("evaluate_drafting", 3)} <= planned
+
+
 def alive(pid: int) -> bool:
     status = Path(f"/proc/{pid}/status")
     try:
