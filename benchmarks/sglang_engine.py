@@ -192,8 +192,81 @@ def launcher_config(options, url: str) -> dict:
         "extract": {"layer_ids": "default", "backend": "sglang", "sglang": {
             "url": url, "spool_dir": options.spool_dir, "startup_timeout_s": 900, "prefill_tokens": options.prefill_tokens,
             "samples_per_request": options.samples_per_request, "concurrency": options.concurrency,
-            "writer_threads": options.writer_threads, "extra_args": common_flags(options)}},
+            "tokens_in_flight": options.tokens_in_flight, "writer_threads": options.writer_threads, "extra_args": common_flags(options)}},
     }
+
+
+# ------------------------------------------------------------------------------- profile
+
+
+def server_processes(server: "Server") -> dict:
+    """{role: pid} of a server's processes: SGLang names them by setproctitle
+    (``sglang::scheduler...``, ``sglang::detokenizer``); the launching process holds the HTTP
+    server and the tokenizer manager."""
+    import psutil
+
+    found = {"http": server.process.pid}
+    try:
+        for child in psutil.Process(server.process.pid).children(recursive=True):
+            name = " ".join(child.cmdline()[:1]) or child.name()
+            if "sglang::" in name:
+                found[name.split("sglang::", 1)[1].split()[0]] = child.pid
+            elif "sglang.launch_server" in " ".join(child.cmdline()):
+                found["http"] = child.pid  # the launcher's child (eaglenest.sglang.launch)
+    except psutil.Error:
+        pass
+    return found
+
+
+def start_profiles(server: "Server", seconds: float, out_dir: Path) -> list:
+    """py-spy on each of the server's processes and on this one (the client) for ``seconds``
+    (without pausing them):
+    [(role, path, process)]. Nothing when py-spy is not installed."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        log("py-spy not found: no server profile")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    running = []
+    for role, pid in {**server_processes(server), "client": os.getpid()}.items():
+        path = out_dir / f"{role}.txt"
+        command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "250",
+                   "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)]
+        running.append((role, path, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    return running
+
+
+def summarize_profile(path: Path, top: int = 20) -> dict:
+    """A py-spy raw profile (collapsed stacks, ``frame;frame;... count``) per thread: the
+    share of samples per thread and its heaviest leaf frames (where the time is spent)."""
+    from collections import Counter
+
+    threads, leaves, total = Counter(), {}, 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread, count = frames[0], int(count)
+        total += count
+        threads[thread] += count
+        leaves.setdefault(thread, Counter())[frames[-1]] += count
+    return {"samples": total, "threads": [
+        {"thread": thread, "share": round(samples / max(total, 1), 3),
+         "top": [[frame, round(n / samples, 3)] for frame, n in leaves[thread].most_common(top)]}
+        for thread, samples in threads.most_common(8)]}
+
+
+def finish_profiles(running: list) -> dict:
+    result = {}
+    for role, path, process in running:
+        try:
+            _, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            err = b"timed out"
+        result[role] = summarize_profile(path) if path.exists() else {"error": err.decode(errors="replace")[-500:]}
+    return result
 
 
 # ------------------------------------------------------------------------------- measurements
@@ -201,9 +274,10 @@ def launcher_config(options, url: str) -> dict:
 
 def measure_ceiling(url: str, prepared: Path, options) -> dict:
     """Prefill-only throughput of a plain server on the shard's samples, sent as the
-    extraction client sends them (same requests, same concurrency), after one warm-up request."""
+    extraction client sends them (same requests, same window of requests and tokens in
+    flight), after one warm-up request."""
     from eaglenest.formats import shards
-    from eaglenest.sglang.client import request_groups
+    from eaglenest.sglang.client import request_groups, windowed
 
     reader = shards.ShardReader.open(prepared)
     ids, offsets = reader.tensor("input_ids"), reader.tensor("offsets").tolist()
@@ -221,7 +295,8 @@ def measure_ceiling(url: str, prepared: Path, options) -> dict:
     post(groups[0])  # warm-up
     started = time.perf_counter()
     with ThreadPoolExecutor(options.concurrency) as pool:
-        prompt_tokens = sum(pool.map(post, groups))
+        answers = windowed(pool, groups, list(reader.token_counts), options.concurrency, options.tokens_in_flight, post)
+        prompt_tokens = sum(future.result() for future in answers)
     seconds = time.perf_counter() - started
     return {"samples": len(reader.token_counts), "tokens": reader.num_tokens, "prompt_tokens_counted": prompt_tokens,
             "requests": len(groups), "seconds": round(seconds, 3), "tokens_per_s": round(reader.num_tokens / seconds, 1)}
@@ -335,7 +410,8 @@ def cmd_extract(options) -> int:
     result = {"gpu": torch.cuda.get_device_name(0), "sglang": options.sglang_version, "shape": options.shape,
               "target_params_b": round(params / 1e9, 2) if params else None, "layer_ids": layer_ids,
               "hidden_size": hf["hidden_size"], "settings": {k: getattr(options, k) for k in (
-                  "samples_per_request", "concurrency", "prefill_tokens", "writer_threads", "mem_fraction")},
+                  "samples_per_request", "concurrency", "tokens_in_flight", "prefill_tokens", "writer_threads",
+                  "mem_fraction")},
               "dtypes": options.dtypes, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     logs, env = work / "logs", server_env(options.site)
 
@@ -363,21 +439,41 @@ def cmd_extract(options) -> int:
                                  "--state-dir", str(work / "patched-state")], env, logs)
     client = dict(url=url, target_name=options.target_name, layer_ids=layer_ids, hidden_size=hf["hidden_size"],
                   num_layers=hf["num_hidden_layers"], spool_dir=options.spool_dir, concurrency=options.concurrency,
-                  samples_per_request=options.samples_per_request, check_disk=False)
+                  samples_per_request=options.samples_per_request, tokens_in_flight=options.tokens_in_flight,
+                  check_disk=False)
     result["patched"] = {}
     try:
         result["patched_boot_s"] = round(patched.wait(url + "/eaglenest/info", 900), 1)
         sglang_client.extract_shard_via_server(warmup, work / "warmup-hidden" / "shard-00000.safetensors", dtype="bfloat16", **client)
         for dtype in options.dtypes:
             path = work / f"sglang-{dtype}" / "shard-00000.safetensors"
+            # The first dtype's extraction is profiled (py-spy, every server process).
+            profiles = start_profiles(patched, options.profile_s, work / "profiles") if dtype == options.dtypes[0] else []
             started = time.perf_counter()
             stats = sglang_client.extract_shard_via_server(prepared, path, dtype=dtype, **client)
             stats["wall_s"] = round(time.perf_counter() - started, 3)
             result["patched"][dtype] = stats
             log(f"patched {dtype}: {stats}")
+            if profiles:
+                result["profile"] = finish_profiles(profiles)
             save()
             if dtype != "bfloat16":
                 path.unlink()
+        # The same server and shard with other client windows: SAMPLES_PER_REQUEST:TOKENS_IN_FLIGHT.
+        result["patched_windows"] = []
+        for window in options.windows:
+            samples_per_request, tokens_in_flight = (int(x) for x in window.split(":"))
+            path = work / "sglang-window" / "shard-00000.safetensors"
+            started = time.perf_counter()
+            stats = sglang_client.extract_shard_via_server(
+                prepared, path, dtype=options.dtypes[0],
+                **{**client, "samples_per_request": samples_per_request, "tokens_in_flight": tokens_in_flight})
+            stats.update(wall_s=round(time.perf_counter() - started, 3), samples_per_request=samples_per_request,
+                         tokens_in_flight=tokens_in_flight)
+            result["patched_windows"].append(stats)
+            log(f"patched window {window}: {stats}")
+            path.unlink()
+            save()
         capture_lines = [line for line in (work / "patched-state" / "server.log").read_text(errors="replace").splitlines()
                          if "eaglenest capture" in line]
         result["patched_capture_log"] = capture_lines[:4]
@@ -427,8 +523,13 @@ def summary(result: dict) -> dict:
             "ratio": round(patched / ceiling, 3),
             "transformers_tokens_per_s": result.get("transformers", {}).get(dtype, {}).get("tokens_per_s"),
         }
+    first = result.get("dtypes", ["bfloat16"])[0]
+    windows = [{"samples_per_request": w["samples_per_request"], "tokens_in_flight": w["tokens_in_flight"],
+                "patched_tokens_per_s": w["tokens_per_s_written"],
+                "ratio": round(w["tokens_per_s_written"] / min(prefill, result["disk"][first]["tokens_per_s"]), 3)}
+               for w in result.get("patched_windows", [])]
     return {"shape": result["shape"], "target_params_b": result["target_params_b"], "samples": result["ceiling"]["samples"],
-            "tokens": result["ceiling"]["tokens"], "dtypes": rows,
+            "tokens": result["ceiling"]["tokens"], "dtypes": rows, "windows": windows,
             "within_bf16_noise": result.get("noise_check", {}).get("within_bf16_noise")}
 
 
@@ -463,7 +564,11 @@ def main(argv=None) -> int:
     ext.add_argument("--site", default=None, help="where the SGLang wheels are installed (PYTHONPATH of the servers)")
     ext.add_argument("--sglang-version", default="0.5.14")
     ext.add_argument("--spool-dir", default="/dev/shm/eaglenest_engine")
-    ext.add_argument("--samples-per-request", type=int, default=16)
+    ext.add_argument("--samples-per-request", type=int, default=4)
+    ext.add_argument("--tokens-in-flight", type=int, default=65536)
+    ext.add_argument("--windows", nargs="*", default=[],
+                     help="more client windows to measure on the same server, SAMPLES_PER_REQUEST:TOKENS_IN_FLIGHT each")
+    ext.add_argument("--profile-s", type=float, default=8.0, help="py-spy duration on the server's processes")
     ext.add_argument("--concurrency", type=int, default=16)
     ext.add_argument("--prefill-tokens", type=int, default=8192)
     ext.add_argument("--writer-threads", type=int, default=4)

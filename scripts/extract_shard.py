@@ -60,6 +60,7 @@ if settings["backend"] == "sglang":
         concurrency=server["concurrency"],
         samples_per_request=server["samples_per_request"],
         tokens_per_request=server["tokens_per_request"],
+        tokens_in_flight=server["tokens_in_flight"],
         spool_timeout_s=server["spool_timeout_s"],
         request_timeout_s=server["request_timeout_s"],
         retries=server["retries"],

@@ -275,6 +275,21 @@ def test_sglang_engine_pieces_that_need_no_server_run_on_cpu(tmp_path, tiny_llam
     (tmp_path / "result.json").write_text(json.dumps(result))
     assert sglang_engine.main(["table", str(tmp_path / "result.json")]) == 0
     assert "| smollm2 | 0.1B | 3 | 81 | bfloat16 | 400 | 300 | 150 | 0.50 | 200 |" in capsys.readouterr().out
+    result["patched_windows"] = [{"samples_per_request": 8, "tokens_in_flight": 131072, "tokens_per_s_written": 270.0}]
+    assert sglang_engine.summary(result)["windows"] == [
+        {"samples_per_request": 8, "tokens_in_flight": 131072, "patched_tokens_per_s": 270.0, "ratio": 0.9}]
+    # py-spy's raw output: collapsed stacks per thread, summarized into where each thread's time goes.
+    raw = tmp_path / "scheduler.txt"
+    raw.write_text("thread (0x1) main;event_loop (s.py:1);forward (m.py:2) 30\n"
+                   "thread (0x1) main;event_loop (s.py:1);synchronize (u.py:3) 60\n"
+                   "thread (0x1) main;event_loop (s.py:1);forward (m.py:2) 10\n"
+                   "thread (0x2) spool;_write (spool.py:9) 100\nnot a stack line\n")
+    profile = sglang_engine.summarize_profile(raw)
+    assert profile["samples"] == 200
+    main, spool = profile["threads"]
+    assert main == {"thread": "thread (0x1) main", "share": 0.5,
+                    "top": [["synchronize (u.py:3)", 0.6], ["forward (m.py:2)", 0.4]]}
+    assert spool["top"] == [["_write (spool.py:9)", 1.0]]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])

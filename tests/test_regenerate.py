@@ -240,6 +240,7 @@ def test_greedy_answers_stop_at_their_first_loop(conversations, tmp_path, tiny_l
     assert cut is not None and cut < len(full_ids)
     (generation,) = backend._generate_rows([prompt], seed=0)
     assert (generation.finish_reason, generation.new_tokens) == ("repetition", cut)
+    assert cut < generation.generated_tokens <= 48  # the stopping criterion ends it once the loop is seen
     assert generation.text == backend.tokenizer.decode(full_ids[:cut], skip_special_tokens=True).strip()
 
 
@@ -249,8 +250,9 @@ def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, t
     greedy = dict(backend="openai", url=url, concurrency=2, temperature=0.0, max_new_tokens=32, max_len=2048)
     written, report = run_shard(conversations, tmp_path, tiny_llama, name="cut", repetition_stop=3, **greedy)
     assert_accounted(report)
-    # The server ran every answer to its 32 tokens; the kept answers are shorter.
+    # The server ran every answer to its 32 tokens (its work, counted); the kept answers are shorter.
     assert report["stopped_by_repetition"] > 0 and report["new_tokens"] < 32 * report["regenerated"]
+    assert report["generated_tokens"] == 32 * report["regenerated"]
     tokenizer = prepare.load_tokenizer(tiny_llama)
     for conversation in written:
         for k in conversation["regenerated_turns"]:
@@ -341,3 +343,32 @@ def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
     assert all(len(a.split()) >= 3 and "<|im_" not in a for a in answers)
     prepared = json.loads(next(tmp_path.glob("results/*/prepared/*/prepare_report.json")).read_text())
     assert prepared["samples"] == summary["conversations_out"] and prepared["loss_tokens"] > 0
+
+
+@pytest.mark.integration
+def test_the_regeneration_ceiling_asks_a_server_the_first_wave_with_the_runs_sampling(conversations, tmp_path, tiny_llama,
+                                                                                      chat_server):
+    """benchmarks/sglang_regenerate.py ceiling: what a plain client gets from the server on the
+    stage's first-wave prompts, with the run's sampling settings."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    url = chat_server()
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations,
+                                      regenerate={"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 6})
+    out = tmp_path / "ceiling.json"
+    assert sglang_regenerate.main(["ceiling", "--url", url, "--conversations", str(conversations), "--model-path",
+                                   str(tiny_llama), "--config", str(configfile), "--prompts", "5", "--concurrency", "3",
+                                   "--out", str(out)]) == 0
+    ceiling = json.loads(out.read_text())
+    assert ceiling["prompts"] == 5 and ceiling["sampling"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 6}
+    assert 0 < ceiling["generated_tokens"] <= 5 * 6 and ceiling["tokens_per_s"] > 0
+    assert sum(ceiling["finish_reasons"].values()) == 5
+    # The prompts are the first wave's: every turn before the first assistant turn.
+    prompts, skipped = sglang_regenerate.first_turn_prompts(str(conversations), str(tiny_llama), 2048, 3, seed=0)
+    assert skipped == 0 and len(prompts) == 3
+    assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt in prompts)

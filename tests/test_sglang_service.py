@@ -361,7 +361,16 @@ def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_
     report_path = workdir / "results" / "tiny" / "regenerated"
     jobs = planned_jobs(workdir, configfile, "regenerate_report")
     assert jobs["regenerate_server"] == 1 and jobs["regenerate"] == 2, jobs
-    run_snakemake(workdir, configfile, "--cores", "2", "regenerate_report")
+    # benchmarks/sglang_regenerate.py notes when the workflow's server is ready (the GPU run's clock).
+    bench = [sys.executable, str(REPO / "benchmarks" / "sglang_regenerate.py")]
+    ready_file = tmp_path / "ready.txt"
+    watcher = subprocess.Popen([*bench, "watch", "--record", str(workdir / "results" / "tiny" / "sglang" / "regenerate.json"),
+                                "--out", str(ready_file)])
+    try:
+        run_snakemake(workdir, configfile, "--cores", "2", "regenerate_report")
+        assert watcher.wait(timeout=30) == 0
+    finally:
+        watcher.kill()
 
     (report_file,) = report_path.rglob("regenerate_report.json")
     report = json.loads(report_file.read_text())
@@ -377,5 +386,41 @@ def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_
         log = (logs / "regenerate" / f"shard-{shard}.log").read_text()
         assert f"regeneration server ready at {server['url']} " in log, log
     assert_no_server_left(spool, [server])
+    # The GPU run's row: every turn accounted for, the server's generated tokens beside the kept ones.
+    summary = tmp_path / "regenerate.json"
+    subprocess.run([*bench, "summary", "--workdir", str(workdir), "--run", "tiny", "--ready", str(ready_file),
+                    "--out", str(summary)], check=True)
+    row = json.loads(summary.read_text())["regenerate"]
+    assert row["shards_done"] == 2 and row["accounted"] and row["regenerated"] == report["regenerated"], row
+    assert row["generated_tokens"] >= row["new_tokens"] > 0 and row["seconds"] > 0 and row["generated_tokens_per_s"] > 0, row
     # A rerun with every regenerated shard in place starts no server.
     assert planned_jobs(workdir, configfile, "regenerate_report") == {}
+
+
+@pytest.mark.workflow
+def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_regeneration(tmp_path, tiny_llama):
+    """benchmarks/sglang_regenerate.sh with DRY_RUN=1: the plain server it would start for the
+    ceiling (the launcher's serve-mode flags, no eaglenest code) and the jobs the workflow plans."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(
+        workdir, tiny_llama, conversations, run="tiny-regenerate-dry-run",
+        data={"max_conversations": 20, "samples_per_shard": 10},
+        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95},
+        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
+    )
+    environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
+                   "PYTHONPATH": str(REPO)}
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_regenerate.sh"), str(tmp_path / "out"), str(configfile)],
+                            capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    steps = (tmp_path / "out" / "steps.log").read_text()
+    (server,) = [line for line in steps.splitlines() if line.startswith("ceiling server: ")]
+    command = server.split()[2:]
+    assert command[0] == "sglang-server" and "--port" in command and command[command.index("--port") + 1] == "30030"
+    assert command[command.index("--served-model-name") + 1] == "tiny-llama"
+    assert "--mem-fraction-static" in command and "--enable-return-hidden-states" not in command
+    planned = {(parts[0], int(parts[1])) for line in steps.splitlines() if len(parts := line.split()) == 2 and parts[1].isdigit()}
+    assert {("regenerate_server", 1), ("regenerate", 2), ("regenerate_report", 1)} <= planned, steps
+    assert not any(rule in {rule for rule, _ in planned} for rule in ("prepare", "extract_hidden_states")), steps

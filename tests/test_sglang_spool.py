@@ -78,6 +78,47 @@ def test_samples_go_to_requests_in_shard_order_bounded_by_samples_and_tokens():
     assert [i for group in groups for i in group] == list(range(len(counts)))
 
 
+def test_requests_go_out_in_order_within_the_window_and_more_go_before_answers_are_handed_on():
+    from concurrent.futures import ThreadPoolExecutor
+
+    counts = [100, 100, 100, 300, 50, 50, 900, 10]
+    groups = [[0], [1], [2], [3], [4, 5], [6], [7]]
+    lock, in_flight, most, sent = threading.Lock(), [0], [0], []
+    release = {number: threading.Event() for number in range(len(groups))}
+
+    def call(group):
+        tokens = sum(counts[i] for i in group)
+        with lock:
+            sent.append(group[0])
+            in_flight[0] += tokens
+            most[0] = max(most[0], in_flight[0])
+        release[groups.index(group)].wait(5)
+        with lock:
+            in_flight[0] -= tokens
+        return group
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = sglang_client.windowed(pool, groups, counts, max_requests=3, max_tokens=400, call=call)
+        handed_on = []
+        for number in range(len(groups)):
+            release[number].set()  # the server answers in the order it got them
+            handed_on.append(next(answers).result())
+            # The next request went out before this answer was handed on (its thread may
+            # still be starting).
+            deadline = time.monotonic() + 5
+            while len(sent) < min(number + 2, len(groups)) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert len(sent) >= min(number + 2, len(groups))
+        assert next(answers, None) is None
+    assert handed_on == groups
+    assert sent == [0, 1, 2, 3, 4, 6, 7]
+    # 400 tokens at most, except the 900-token request, which goes alone.
+    assert most[0] == 900
+    with ThreadPoolExecutor(8) as pool:
+        lock_free = sglang_client.windowed(pool, groups[:4], counts, max_requests=2, max_tokens=10**6, call=lambda g: g)
+        assert [future.result() for future in lock_free] == groups[:4]
+
+
 class _RowsBackend:
     """Answers a shard's samples in reverse order, the way a server's requests may finish."""
 

@@ -29,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterator
 
@@ -319,6 +319,38 @@ def request_groups(token_counts: list[int], samples_per_request: int, tokens_per
     return groups
 
 
+def windowed(pool, groups: list[list[int]], token_counts: list[int], max_requests: int, max_tokens: int,
+             call) -> Iterator:
+    """Futures of ``call(group)`` for every group, run on ``pool``, as they finish.
+
+    Groups go out in order while the window has room: at most ``max_requests`` calls and
+    ``max_tokens`` prompt tokens sent and not yet answered (always at least one). A server
+    finishes them nearly in that order, so answers stream out while it computes the next
+    ones, instead of all at the end. More are sent before finished ones are handed on, so the
+    server never waits for what the caller does with an answer (the disk).
+    """
+    pending: dict = {}  # future -> (group number, prompt tokens)
+    sent, in_flight = 0, 0
+
+    def send() -> None:
+        nonlocal sent, in_flight
+        while sent < len(groups) and len(pending) < max_requests:
+            tokens = sum(token_counts[i] for i in groups[sent])
+            if pending and in_flight + tokens > max_tokens:
+                return
+            pending[pool.submit(call, groups[sent])] = (sent, tokens)
+            sent, in_flight = sent + 1, in_flight + tokens
+
+    send()
+    while pending:
+        done, _ = wait(pending, return_when=FIRST_COMPLETED)
+        finished = sorted(done, key=lambda future: pending[future][0])
+        for future in finished:
+            in_flight -= pending.pop(future)[1]
+        send()
+        yield from finished
+
+
 def disk_preflight(prepared_path, hidden_path, layer_ids, hidden_size: int, num_layers: int, dtype: str,
                    disk_reserve_bytes: int) -> dict:
     """shard_driver.preflight for a shard of a server with this target shape (from the run's config)."""
@@ -341,11 +373,12 @@ class ServerBackend:
     in_token_order = False  # concurrent requests finish in any order
 
     def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
-                 retries, backoff_s, max_consecutive_failures, samples_per_request=16, tokens_per_request=131072,
-                 spool_timeout_s=120.0, dtype="bfloat16"):
+                 retries, backoff_s, max_consecutive_failures, samples_per_request=4, tokens_per_request=131072,
+                 spool_timeout_s=120.0, dtype="bfloat16", tokens_in_flight=65536):
         self.url, self.shard_tag, self.target_name, self.dtype = url, shard_tag, target_name, dtype
         self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
         self.samples_per_request, self.tokens_per_request = samples_per_request, tokens_per_request
+        self.tokens_in_flight = tokens_in_flight
         self.retry_policy = (request_timeout_s, retries, backoff_s, max_consecutive_failures, spool_timeout_s)
 
     def target_shape(self) -> tuple[int, int]:
@@ -365,22 +398,20 @@ class ServerBackend:
         requests = self.requests
         tensors = prepared.tensors(shards.PREPARED_TENSORS)
         offsets, input_ids = tensors["offsets"].tolist(), tensors["input_ids"]
+        token_counts = list(prepared.token_counts)
         # Late answers to requests an earlier attempt at this shard gave up on (timeouts).
         requests.remove_leftovers()
-        groups = request_groups(list(prepared.token_counts), self.samples_per_request, self.tokens_per_request)
+        groups = request_groups(token_counts, self.samples_per_request, self.tokens_per_request)
         pool = ThreadPoolExecutor(max_workers=max(1, self.concurrency), thread_name_prefix="sglang-client")
         try:
-            futures = [
-                pool.submit(requests.fetch, [(i, input_ids[offsets[i] : offsets[i + 1]].tolist()) for i in group])
-                for group in groups
-            ]
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    for index, stored, finite in future.result():  # raises the first failure
-                        yield shard_driver.StateRows(offsets[index], stored["aux_hidden"], stored["last_hidden"],
-                                                     finite=finite, stored=stored)
+            answers = windowed(
+                pool, groups, token_counts, self.concurrency, self.tokens_in_flight,
+                lambda group: requests.fetch([(i, input_ids[offsets[i] : offsets[i + 1]].tolist()) for i in group]),
+            )
+            for future in answers:
+                for index, stored, finite in future.result():  # raises the request's failure
+                    yield shard_driver.StateRows(offsets[index], stored["aux_hidden"], stored["last_hidden"],
+                                                 finite=finite, stored=stored)
         except BaseException as err:
             requests.stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -404,8 +435,9 @@ def extract_shard_via_server(
     dtype: str = "bfloat16",
     spool_dir: str = sglang_patch.DEFAULT_SPOOL_DIR,
     concurrency: int = 16,
-    samples_per_request: int = 16,
+    samples_per_request: int = 4,
     tokens_per_request: int = 131072,
+    tokens_in_flight: int = 65536,
     spool_timeout_s: float = 120.0,
     request_timeout_s: float = 600.0,
     retries: int = 3,
@@ -419,7 +451,7 @@ def extract_shard_via_server(
     shard_tag = Path(hidden_path).name.split(".")[0]
     backend = ServerBackend(url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
                             retries, backoff_s, max_consecutive_failures, samples_per_request, tokens_per_request,
-                            spool_timeout_s, dtype)
+                            spool_timeout_s, dtype, tokens_in_flight)
     result = shard_driver.extract_hidden_shard(
         prepared_path, hidden_path, backend, target_name, layer_ids, dtype, check_disk, disk_reserve_bytes, log_stream
     )

@@ -90,6 +90,8 @@ class Generation:
     new_tokens: int = 0
     attempts: int = 1
     error: str | None = None
+    # What the target generated for it, the part after a loop cut included (the server's work).
+    generated_tokens: int = 0
 
 
 # --------------------------------------------------------------------------- loops
@@ -227,7 +229,8 @@ class TransformersBackend:
             kept, looped = cut_loop(row if stop is None else row[:stop], repeats)
             reason = "repetition" if looped else "length" if stop is None else "stop"
             text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
-            generations.append(Generation(text, reason, len(kept)))
+            generated = stop + 1 if stop is not None else len(row)
+            generations.append(Generation(text, reason, len(kept), generated_tokens=generated))
         return generations
 
     def generate(self, prompts: list[list[dict]], seed: int) -> list[Generation]:
@@ -297,7 +300,9 @@ class OpenAIBackend:
                 if not isinstance(text, str):
                     raise ValueError("answer has no text content")
                 usage = answer.get("usage") or {}
-                generation = Generation(text.strip(), choice.get("finish_reason"), int(usage.get("completion_tokens", 0)), attempt)
+                completion_tokens = int(usage.get("completion_tokens", 0))
+                generation = Generation(text.strip(), choice.get("finish_reason"), completion_tokens, attempt,
+                                        generated_tokens=completion_tokens)
                 return self._without_loop(generation)
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
@@ -348,7 +353,7 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
     ]
     assistant_turns = [[k for k, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in work]
     counts = {"turns": sum(len(t) for t in assistant_turns), "regenerated": 0, "beyond_max_len": 0, "failed": 0,
-              "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0, "retried": 0}
+              "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0, "generated_tokens": 0, "retried": 0}
     failures, dropped = [], set()
     for wave in range(max((len(t) for t in assistant_turns), default=0)):
         jobs = []
@@ -369,6 +374,7 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
         generations = backend.generate([prompt for _, _, prompt in jobs], seed + 7919 * wave)
         for (index, k, _), generation in zip(jobs, generations):
             counts["retried"] += generation.attempts > 1
+            counts["generated_tokens"] += generation.generated_tokens
             if generation.text:
                 work[index]["messages"][k]["content"] = generation.text
                 work[index]["regenerated_turns"].append(k)
@@ -429,7 +435,8 @@ def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.Path
     reports = [json.loads(Path(p).read_text()) for p in report_paths]
     totals = {key: sum(r.get(key, 0) for r in reports) for key in  # reports older than a key count 0
               ("conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed",
-               "skipped_after_drop", "finished_by_length", "stopped_by_repetition", "new_tokens", "retried")}
+               "skipped_after_drop", "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens",
+               "retried")}
     summary = {
         "shards": len(reports),
         **totals,

@@ -1,0 +1,192 @@
+"""Regeneration through a real SGLang server beside the engine's own speed, on one GPU.
+
+Two parts of one run (benchmarks/sglang_regenerate.sh drives them on the node):
+
+``ceiling``: a plain SGLang server (no eaglenest code in it) answers a seeded sample of the
+run's first-turn prompts (what the regenerate stage sends in its first wave: every turn up
+to the first assistant turn, the same prompts it would skip as too long skipped) with the
+same sampling settings, from a plain client that keeps ``concurrency`` requests in flight.
+Its generated tokens per second are what the engine does alone.
+
+``summary``: the workflow's regenerate stage (rule ``regenerate``, its server started by rule
+``regenerate_server``) on the same conversations: every turn accounted for (from
+``regenerate_report.json``), generated and kept tokens, the wall time from the server's
+readiness to the last shard, against the ceiling. Writes the ``regenerate`` section of
+``benchmarks/results/sglang_engine_<date>.json``.
+
+    python benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 --conversations CONV.jsonl \\
+        --model-path MODEL --config CONFIG.yaml... --prompts 1024 --concurrency 256 --out ceiling.json
+    python benchmarks/sglang_regenerate.py summary --workdir WORK --run RUN --ceiling ceiling.json --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# The transformers backend's regeneration speed (docs/regeneration.md: SmolLM2-135M on one
+# H200, 2026-11-29, 8 shard jobs side by side); not remeasured in this run.
+TRANSFORMERS_NEW_TOKENS_PER_S = 1950
+
+
+def first_turn_prompts(conversations_path: str, model_path: str, max_len: int, count: int, seed: int) -> tuple[list, int]:
+    """(prompts, skipped): a seeded sample of first-wave prompts, those the stage would skip
+    as ``max_len`` or longer left out, as the stage leaves them out."""
+    from eaglenest.stages.prepare import load_tokenizer, prompt_ids
+
+    rows = [json.loads(line) for line in Path(conversations_path).read_text().splitlines() if line.strip()]
+    random.Random(seed).shuffle(rows)
+    tokenizer = load_tokenizer(model_path)
+    prompts, skipped = [], 0
+    for row in rows:
+        turns = [k for k, message in enumerate(row["messages"]) if message["role"] == "assistant"]
+        if not turns:
+            continue
+        prompt = row["messages"][: turns[0]]
+        if len(prompt_ids(tokenizer, prompt)) >= max_len:
+            skipped += 1
+            continue
+        prompts.append(prompt)
+        if len(prompts) == count:
+            break
+    return prompts, skipped
+
+
+def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurrency: int, seed: int) -> dict:
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+
+    def ask(indexed):
+        index, messages = indexed
+        body = {"model": model, "messages": messages, "seed": seed + index, **sampling}
+        request = urllib.request.Request(endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            answer = json.loads(response.read())
+        return int(answer["usage"]["completion_tokens"]), answer["choices"][0].get("finish_reason")
+
+    ask((0, prompts[0]))  # warm-up
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers = list(pool.map(ask, enumerate(prompts)))
+    seconds = time.perf_counter() - started
+    generated = sum(tokens for tokens, _ in answers)
+    reasons: dict = {}
+    for _, reason in answers:
+        reasons[str(reason)] = reasons.get(str(reason), 0) + 1
+    return {"prompts": len(prompts), "concurrency": concurrency, "generated_tokens": generated, "seconds": round(seconds, 3),
+            "tokens_per_s": round(generated / seconds, 1), "finish_reasons": reasons}
+
+
+def cmd_ceiling(options) -> int:
+    from eaglenest.node.recon.config import load_config
+
+    config = load_config(REPO, options.config)  # as the Snakefile sees it
+    section = config["regenerate"]
+    prompts, skipped = first_turn_prompts(options.conversations, options.model_path, config["data"]["max_len"],
+                                          options.prompts, options.seed)
+    sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
+    result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
+                             options.seed)
+    result.update(sampling=sampling, skipped_beyond_max_len=skipped, seed=options.seed)
+    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | None:
+    """Wait until the service record of the workflow's server says ``ready``; write the
+    time (epoch seconds) to ``out``: generation starts there."""
+    from eaglenest.sglang import launch
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        state = (launch.read_service_record(record) or {}).get("state")
+        if state == "ready":
+            ready = time.time()
+            out.write_text(f"{ready}\n")
+            return ready
+        time.sleep(0.2)
+    return None
+
+
+def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None) -> dict:
+    """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
+    from ``ready`` (when the workflow's server was ready) to the last shard's report."""
+    reports = sorted((workdir / "results" / run / "regenerated").glob("*/shard-*.report.json"))
+    shards = [json.loads(path.read_text()) for path in reports]
+    ended = max((path.stat().st_mtime for path in reports), default=None)
+    seconds = (ended - ready) if ended is not None and ready is not None else None
+    totals = {key: sum(report.get(key, 0) for report in shards) for key in (
+        "conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed", "skipped_after_drop",
+        "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
+    generated_per_s = round(totals["generated_tokens"] / seconds, 1) if seconds else None
+    result = {
+        "shards_done": len(shards),
+        "conversations": totals["conversations_in"],
+        **totals,
+        "accounted": totals["regenerated"] + totals["beyond_max_len"] + totals["failed"] + totals["skipped_after_drop"]
+        == totals["turns"],
+        "seconds": round(seconds, 3) if seconds else None,
+        "new_tokens_per_s": round(totals["new_tokens"] / seconds, 1) if seconds else None,
+        "generated_tokens_per_s": generated_per_s,
+        "transformers_new_tokens_per_s": TRANSFORMERS_NEW_TOKENS_PER_S,
+        "failed_turns": totals["failed"],
+    }
+    if ceiling:
+        result["ceiling_tokens_per_s"] = ceiling["tokens_per_s"]
+        result["ratio_to_ceiling"] = round(generated_per_s / ceiling["tokens_per_s"], 3) if generated_per_s else None
+        result["ceiling"] = ceiling
+    return result
+
+
+def cmd_summary(options) -> int:
+    ceiling = json.loads(Path(options.ceiling).read_text()) if options.ceiling and Path(options.ceiling).exists() else None
+    ready = float(Path(options.ready).read_text()) if options.ready and Path(options.ready).exists() else None
+    result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready)
+    Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
+    print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s | ceiling tok/s | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {result['conversations']} | {result['turns']} | {result['regenerated']} | {result['stopped_by_repetition']} "
+          f"| {result['failed']} | {result['generated_tokens_per_s']} | {result['new_tokens_per_s']} "
+          f"| {result.get('ceiling_tokens_per_s')} | {result.get('ratio_to_ceiling')} |")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    ceiling = commands.add_parser("ceiling", help="a plain server's generation speed on first-turn prompts")
+    ceiling.add_argument("--url", required=True)
+    ceiling.add_argument("--conversations", required=True, help="the run's data/conversations.jsonl")
+    ceiling.add_argument("--model-path", required=True, help="the target's directory (its tokenizer measures prompts)")
+    ceiling.add_argument("--model", default=None, help="the served model name (default: target.name)")
+    ceiling.add_argument("--config", nargs="+", required=True, help="the run's config files, in order")
+    ceiling.add_argument("--prompts", type=int, default=1024)
+    ceiling.add_argument("--concurrency", type=int, default=256)
+    ceiling.add_argument("--seed", type=int, default=0)
+    ceiling.add_argument("--out", required=True)
+    summary = commands.add_parser("summary", help="the regenerate stage's row against the ceiling")
+    summary.add_argument("--workdir", required=True)
+    summary.add_argument("--run", required=True)
+    summary.add_argument("--ceiling", default=None)
+    summary.add_argument("--ready", default=None, help="the file watch wrote (when the server was ready)")
+    summary.add_argument("--out", required=True)
+    watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
+    watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")
+    watch.add_argument("--out", required=True)
+    options = parser.parse_args(argv)
+    if options.command == "watch":
+        return 0 if watch_ready(Path(options.record), Path(options.out)) is not None else 1
+    return {"ceiling": cmd_ceiling, "summary": cmd_summary}[options.command](options)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

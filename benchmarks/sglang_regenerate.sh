@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Regeneration through the SGLang server that the workflow starts, beside the engine's own
+# speed, on one GPU node (docs/regeneration.md, "Through SGLang on one H200"):
+#
+# 1. the target's conversion (the workflow, --until convert_embedded_target);
+# 2. the ceiling: a plain SGLang server (no eaglenest code), started with the flags the
+#    launcher gives the regeneration server, answers a seeded sample of the first wave's
+#    prompts with the run's sampling settings, CEILING_CONCURRENCY requests in flight;
+# 3. the workflow's regenerate stage (rule regenerate, its server started by rule
+#    regenerate_server), stopped after REGENERATE_TIMEOUT_S if set (a rerun makes only the
+#    missing shards);
+# 4. benchmarks/sglang_regenerate.py summary: every turn accounted for, generated and kept
+#    tokens per second against the ceiling -> OUTDIR/sglang_regenerate.json and a table.
+#
+#   SGLANG_WHEELS=.sglang-wheels bash benchmarks/sglang_regenerate.sh OUTDIR [config files...]
+#
+# Config files default to config/h200-smollm2.yaml config/h200/carried-data.yaml
+# config/h200/regenerated-sampled-server.yaml (all of ShareGPT, sampled, loop-stopped); the
+# checkout needs what they read (the GGUF in resources/wheels/, results/<run>/data/).
+# DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
+# Knobs (environment): CEILING_PROMPTS (1024; 0 skips the ceiling), CEILING_CONCURRENCY (256),
+# REGENERATE_TIMEOUT_S, CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+OUT="${1:?usage: bash benchmarks/sglang_regenerate.sh OUTDIR [config files...]}"
+shift
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+CONFIGS=("$@")
+[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/regenerated-sampled-server.yaml)
+SITE="${SITE:-/tmp/site}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+t0=$(date +%s)
+log() { echo "$(date -u +%H:%M:%S) +$(( $(date +%s) - t0 ))s $*" | tee -a "$OUT/steps.log" >&2; }
+
+if [ -z "${EAGLENEST_SGLANG_COMMAND:-}" ]; then
+    if [ ! -e "$SITE/.eaglenest-installed" ] || [ -n "$(ls "${SGLANG_WHEELS:-.sglang-wheels}"/*.tar.xz 2>/dev/null)" ]; then
+        bash envs/sglang_wheels_install.sh "${SGLANG_WHEELS:-.sglang-wheels}" "$SITE" > "$OUT/install.log" 2>&1
+        log "install rc=$?"
+    fi
+    # The wheels go on the servers' path only: they pin their own transformers.
+    export EAGLENEST_SGLANG_COMMAND="bash -c 'PYTHONPATH=\"\$PYTHONPATH:$SITE\" exec $PY -m sglang.launch_server \"\$@\"' sglang"
+fi
+snakemake_run() { "$PY" -m snakemake --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}" "$@"; }
+# The run's name, the target and the plain server's command, from the config as the Snakefile sees it.
+eval "$("$PY" - "${CONFIGS[@]}" <<'PYTHON'
+import shlex, sys
+from pathlib import Path
+
+from eaglenest import layout
+from eaglenest.node.recon.config import load_config
+from eaglenest.sglang import launch
+
+config = load_config(Path.cwd(), sys.argv[1:])
+command = launch.launch_command(config, {"mode": "serve", "tensor_parallel": config["target"].get("tensor_parallel", 1)},
+                                url="http://127.0.0.1:30030")
+print(f"RUN={shlex.quote(config['run'])} MODEL={shlex.quote(str(config['target']['path']))}")
+print(f"RECORD={shlex.quote(layout.RunLayout(config).regenerate_server_record())}")
+print("PLAIN=(" + " ".join(shlex.quote(part) for part in command) + ")")
+PYTHON
+)" || { log "config unreadable"; exit 1; }
+printf '%s\n' "${CONFIGS[@]}" > "$OUT/configs.txt"
+if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
+    echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
+    snakemake_run -n --quiet rules --until regenerate_report 2>&1 | tee -a "$OUT/steps.log"
+    exit "${PIPESTATUS[0]}"
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/steps.log"
+
+snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
+log "target converted rc=$?"
+
+if [ "${CEILING_PROMPTS:-1024}" != 0 ]; then
+    "${PLAIN[@]}" > "$OUT/ceiling-server.log" 2>&1 &
+    plain=$!
+    for _ in $(seq 1 600); do
+        "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30030/health', timeout=2)" \
+            2> /dev/null && break
+        kill -0 $plain 2>/dev/null || break
+        sleep 1
+    done
+    log "plain server up"
+    "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
+        --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
+        --prompts "${CEILING_PROMPTS:-1024}" --concurrency "${CEILING_CONCURRENCY:-256}" --out "$OUT/ceiling.json" \
+        > "$OUT/ceiling.log" 2>&1
+    log "ceiling rc=$? $(cat "$OUT/ceiling.json" 2>/dev/null | tr -d '\n' | cut -c1-300)"
+    kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
+fi
+
+"$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
+watcher=$!
+if [ -n "${REGENERATE_TIMEOUT_S:-}" ]; then
+    timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S" "$PY" -m snakemake --cores "${CORES:-$(nproc)}" \
+        --configfile "${CONFIGS[@]}" --until regenerate_report > "$OUT/regenerate.log" 2>&1
+else
+    snakemake_run --until regenerate_report > "$OUT/regenerate.log" 2>&1
+fi
+rc=$?
+log "regenerate rc=$rc"
+kill $watcher 2>/dev/null
+cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
+"$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
+    --ready "$OUT/server_ready.txt" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+exit $rc
