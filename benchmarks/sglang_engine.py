@@ -564,8 +564,8 @@ def main(argv=None) -> int:
     ext.add_argument("--site", default=None, help="where the SGLang wheels are installed (PYTHONPATH of the servers)")
     ext.add_argument("--sglang-version", default="0.5.14")
     ext.add_argument("--spool-dir", default="/dev/shm/eaglenest_engine")
-    ext.add_argument("--samples-per-request", type=int, default=4)
-    ext.add_argument("--tokens-in-flight", type=int, default=65536)
+    ext.add_argument("--samples-per-request", type=int, default=2)
+    ext.add_argument("--tokens-in-flight", type=int, default=32768)
     ext.add_argument("--windows", nargs="*", default=[],
                      help="more client windows to measure on the same server, SAMPLES_PER_REQUEST:TOKENS_IN_FLIGHT each")
     ext.add_argument("--profile-s", type=float, default=8.0, help="py-spy duration on the server's processes")

@@ -43,7 +43,8 @@ def first_turn_prompts(conversations_path: str, model_path: str, max_len: int, c
     as ``max_len`` or longer left out, as the stage leaves them out."""
     from eaglenest.stages.prepare import load_tokenizer, prompt_ids
 
-    rows = [json.loads(line) for line in Path(conversations_path).read_text().splitlines() if line.strip()]
+    with open(conversations_path, encoding="utf-8") as handle:  # JSON lines: split on "\n" only
+        rows = [json.loads(line) for line in handle if line.strip()]
     random.Random(seed).shuffle(rows)
     tokenizer = load_tokenizer(model_path)
     prompts, skipped = [], 0

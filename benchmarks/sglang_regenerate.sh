@@ -19,7 +19,7 @@
 # checkout needs what they read (the GGUF in resources/wheels/, results/<run>/data/).
 # DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
 # Knobs (environment): CEILING_PROMPTS (1024; 0 skips the ceiling), CEILING_CONCURRENCY (256),
-# REGENERATE_TIMEOUT_S, CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
+# REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
@@ -43,10 +43,11 @@ if [ -z "${EAGLENEST_SGLANG_COMMAND:-}" ]; then
     # The wheels go on the servers' path only: they pin their own transformers.
     export EAGLENEST_SGLANG_COMMAND="bash -c 'PYTHONPATH=\"\$PYTHONPATH:$SITE\" exec $PY -m sglang.launch_server \"\$@\"' sglang"
 fi
-snakemake_run() { "$PY" -m snakemake --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}" "$@"; }
+# Targets and options first: --configfile takes every word after it.
+snakemake_run() { "$PY" -m snakemake "$@" --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}"; }
 # The run's name, the target and the plain server's command, from the config as the Snakefile sees it.
 eval "$("$PY" - "${CONFIGS[@]}" <<'PYTHON'
-import shlex, sys
+import os, shlex, sys
 from pathlib import Path
 
 from eaglenest import layout
@@ -57,14 +58,19 @@ config = load_config(Path.cwd(), sys.argv[1:])
 command = launch.launch_command(config, {"mode": "serve", "tensor_parallel": config["target"].get("tensor_parallel", 1)},
                                 url="http://127.0.0.1:30030")
 print(f"RUN={shlex.quote(config['run'])} MODEL={shlex.quote(str(config['target']['path']))}")
-print(f"RECORD={shlex.quote(layout.RunLayout(config).regenerate_server_record())}")
+run_layout = layout.RunLayout(config)
+print(f"RECORD={shlex.quote(run_layout.regenerate_server_record())}")
+shards = os.environ.get("SHARDS", "").split()  # a subset: those shards only (a rerun makes the rest)
+targets = [run_layout.regenerated_path(f"shard-{int(shard):05d}.jsonl") for shard in shards]
+print("TARGETS=(" + " ".join(shlex.quote(t) for t in targets) + ")")
 print("PLAIN=(" + " ".join(shlex.quote(part) for part in command) + ")")
 PYTHON
 )" || { log "config unreadable"; exit 1; }
 printf '%s\n' "${CONFIGS[@]}" > "$OUT/configs.txt"
+if [ ${#TARGETS[@]} -gt 0 ]; then UNTIL=("${TARGETS[@]}"); else UNTIL=(--until regenerate_report); fi
 if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
-    snakemake_run -n --quiet rules --until regenerate_report 2>&1 | tee -a "$OUT/steps.log"
+    snakemake_run "${UNTIL[@]}" -n --quiet rules 2>&1 | tee -a "$OUT/steps.log"
     exit "${PIPESTATUS[0]}"
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$OUT/steps.log"
@@ -93,10 +99,10 @@ fi
 "$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
 watcher=$!
 if [ -n "${REGENERATE_TIMEOUT_S:-}" ]; then
-    timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S" "$PY" -m snakemake --cores "${CORES:-$(nproc)}" \
-        --configfile "${CONFIGS[@]}" --until regenerate_report > "$OUT/regenerate.log" 2>&1
+    timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S" "$PY" -m snakemake "${UNTIL[@]}" \
+        --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}" > "$OUT/regenerate.log" 2>&1
 else
-    snakemake_run --until regenerate_report > "$OUT/regenerate.log" 2>&1
+    snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 fi
 rc=$?
 log "regenerate rc=$rc"

@@ -372,3 +372,43 @@ def test_the_regeneration_ceiling_asks_a_server_the_first_wave_with_the_runs_sam
     prompts, skipped = sglang_regenerate.first_turn_prompts(str(conversations), str(tiny_llama), 2048, 3, seed=0)
     assert skipped == 0 and len(prompts) == 3
     assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt in prompts)
+
+
+def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_the_others():
+    """With a server backend no turn waits for the slowest answer of its turn index: a long
+    conversation's later turns go out while another conversation's first answer is still
+    being generated, and every turn is still answered after the turns before it."""
+    import threading
+
+    slow_answered = threading.Event()
+    order = []
+
+    class Server:
+        def prompt_length(self, messages):
+            return len(messages)
+
+        def answer(self, messages, seed):
+            user = messages[-1]["content"]
+            if user == "slow":
+                # Released only once the long conversation's third turn has gone out.
+                assert slow_answered.wait(5)
+            order.append((user, len(messages)))
+            if user == "a3":
+                slow_answered.set()
+            return regenerate.Generation(f"answer to {user}", "stop", 3, generated_tokens=3)
+
+    def chat(sample_id, users):
+        messages = []
+        for user in users:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": "old"}]
+        return {"sample_id": sample_id, "messages": messages}
+
+    conversations = [chat("s:long", ["a1", "a2", "a3"]), chat("s:slow", ["slow"])]
+    settings = regenerate.Settings.from_config({**SAMPLING, "backend": "openai", "concurrency": 2})
+    kept, counts = regenerate.regenerate_conversations(conversations, Server(), settings, max_len=100, seed=0)
+    assert [user for user, _ in order] == ["a1", "a2", "a3", "slow"]
+    assert counts["regenerated"] == counts["turns"] == 4 and counts["generated_tokens"] == 12
+    # Turn k was asked with every earlier turn already answered by the server.
+    long = kept[0]["messages"]
+    assert [m["content"] for m in long if m["role"] == "assistant"] == ["answer to a1", "answer to a2", "answer to a3"]
+    assert kept[0]["regenerated_turns"] == [1, 3, 5]

@@ -373,8 +373,8 @@ class ServerBackend:
     in_token_order = False  # concurrent requests finish in any order
 
     def __init__(self, url, shard_tag, target_name, hidden_size, num_layers, spool_dir, concurrency, request_timeout_s,
-                 retries, backoff_s, max_consecutive_failures, samples_per_request=4, tokens_per_request=131072,
-                 spool_timeout_s=120.0, dtype="bfloat16", tokens_in_flight=65536):
+                 retries, backoff_s, max_consecutive_failures, samples_per_request=2, tokens_per_request=131072,
+                 spool_timeout_s=120.0, dtype="bfloat16", tokens_in_flight=32768):
         self.url, self.shard_tag, self.target_name, self.dtype = url, shard_tag, target_name, dtype
         self.hidden_size, self.num_layers, self.spool_dir, self.concurrency = hidden_size, num_layers, spool_dir, concurrency
         self.samples_per_request, self.tokens_per_request = samples_per_request, tokens_per_request
@@ -435,9 +435,9 @@ def extract_shard_via_server(
     dtype: str = "bfloat16",
     spool_dir: str = sglang_patch.DEFAULT_SPOOL_DIR,
     concurrency: int = 16,
-    samples_per_request: int = 4,
+    samples_per_request: int = 2,
     tokens_per_request: int = 131072,
-    tokens_in_flight: int = 65536,
+    tokens_in_flight: int = 32768,
     spool_timeout_s: float = 120.0,
     request_timeout_s: float = 600.0,
     retries: int = 3,

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -328,9 +329,9 @@ class OpenAIBackend:
             generation.finish_reason, generation.new_tokens = "repetition", len(kept)
         return generation
 
-    def generate(self, prompts: list[list[dict]], seed: int) -> list[Generation]:
-        with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
-            return list(pool.map(lambda ip: self._request(ip[1], seed + ip[0]), enumerate(prompts)))
+    def answer(self, messages: list[dict], seed: int) -> Generation:
+        """One turn's answer (the server batches the requests in flight)."""
+        return self._request(messages, seed)
 
 
 def make_backend(model_path, settings: Settings, model_name: str, threads: int = 1):
@@ -345,7 +346,14 @@ def make_backend(model_path, settings: Settings, model_name: str, threads: int =
 
 
 def regenerate_conversations(conversations: list[dict], backend, settings: Settings, max_len: int, seed: int) -> tuple[list[dict], dict]:
-    """Regenerate every assistant turn of ``conversations``; returns (kept, counts)."""
+    """Regenerate every assistant turn of ``conversations``; returns (kept, counts).
+
+    A batching backend (transformers) answers turn index by turn index, all conversations'
+    k-th turns in one wave. A server backend answers each conversation's turns in order on
+    its own, ``concurrency`` conversations at a time: a conversation's next turn goes out as
+    soon as its previous one is answered, so no answer waits for the slowest of its wave
+    and the server keeps ``concurrency`` requests until fewer conversations are left.
+    """
     started = time.monotonic()
     work = [
         {"sample_id": c["sample_id"], "messages": [dict(m) for m in c["messages"]], "regenerated_turns": []}
@@ -353,26 +361,14 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
     ]
     assistant_turns = [[k for k, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in work]
     counts = {"turns": sum(len(t) for t in assistant_turns), "regenerated": 0, "beyond_max_len": 0, "failed": 0,
-              "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0, "generated_tokens": 0, "retried": 0}
+              "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0,
+              "generated_tokens": 0, "retried": 0}
     failures, dropped = [], set()
-    for wave in range(max((len(t) for t in assistant_turns), default=0)):
-        jobs = []
-        for index, turns in enumerate(assistant_turns):
-            if wave >= len(turns):
-                continue
-            if index in dropped:
-                counts["skipped_after_drop"] += 1
-                continue
-            k = turns[wave]
-            prompt = work[index]["messages"][:k]
-            if backend.prompt_length(prompt) >= max_len:
-                counts["beyond_max_len"] += 1
-                continue
-            jobs.append((index, k, prompt))
-        if not jobs:
-            continue
-        generations = backend.generate([prompt for _, _, prompt in jobs], seed + 7919 * wave)
-        for (index, k, _), generation in zip(jobs, generations):
+    lock = threading.Lock()
+
+    def record(index: int, k: int, generation: Generation) -> bool:
+        """Count one answer (or failure); False when the conversation is dropped."""
+        with lock:
             counts["retried"] += generation.attempts > 1
             counts["generated_tokens"] += generation.generated_tokens
             if generation.text:
@@ -382,16 +378,56 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
                 counts["new_tokens"] += generation.new_tokens
                 counts["finished_by_length"] += generation.finish_reason == "length"
                 counts["stopped_by_repetition"] += generation.finish_reason == "repetition"
-                continue
+                return True
             counts["failed"] += 1
             failures.append({"sample_id": work[index]["sample_id"], "turn": k, "attempts": generation.attempts,
                              "error": generation.error or "empty answer"})
             if settings.on_failure == "drop_conversation":
                 dropped.add(index)
-        log.info("wave %d: %d prompts", wave, len(jobs))
+                return False
+            return True
+
+    def fits(index: int, k: int) -> bool:
+        if backend.prompt_length(work[index]["messages"][:k]) >= max_len:
+            with lock:
+                counts["beyond_max_len"] += 1
+            return False
+        return True
+
+    if hasattr(backend, "answer"):  # a server: each conversation on its own, turn after turn
+        def one_conversation(index: int) -> None:
+            turns = assistant_turns[index]
+            for wave, k in enumerate(turns):
+                if not fits(index, k):
+                    continue
+                # Seeded by the conversation and turn, not by what else is in flight.
+                if not record(index, k, backend.answer(work[index]["messages"][:k], seed + 7919 * wave + index)):
+                    with lock:
+                        counts["skipped_after_drop"] += len(turns) - wave - 1
+                    return
+
+        with ThreadPoolExecutor(max_workers=max(1, settings.concurrency)) as pool:
+            list(pool.map(one_conversation, range(len(work))))
+    else:
+        for wave in range(max((len(t) for t in assistant_turns), default=0)):
+            jobs = []
+            for index, turns in enumerate(assistant_turns):
+                if wave >= len(turns):
+                    continue
+                if index in dropped:
+                    counts["skipped_after_drop"] += 1
+                    continue
+                if fits(index, turns[wave]):
+                    jobs.append((index, turns[wave]))
+            if not jobs:
+                continue
+            generations = backend.generate([work[index]["messages"][:k] for index, k in jobs], seed + 7919 * wave)
+            for (index, k), generation in zip(jobs, generations):
+                record(index, k, generation)
+            log.info("wave %d: %d prompts", wave, len(jobs))
     kept = [c for i, c in enumerate(work) if i not in dropped]
     counts["seconds"] = round(time.monotonic() - started, 3)
-    counts["failures"] = failures
+    counts["failures"] = sorted(failures, key=lambda f: (f["sample_id"], f["turn"]))
     counts["dropped_conversations"] = sorted(work[i]["sample_id"] for i in dropped)
     return kept, counts
 
