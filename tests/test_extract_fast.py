@@ -144,6 +144,19 @@ def test_fp8_quantization_keeps_small_layers_and_zero_rows(tmp_path):
     assert small < 0.04  # a shared scale would have flushed these to zero
 
 
+def test_a_cpu_quantises_row_blocks_to_the_same_bytes_as_the_whole_answer():
+    torch.manual_seed(0)
+    rows = (torch.randn(3 * shards.CPU_QUANTIZE_ROWS + 5, 3 * 16) * torch.tensor([1e-3, 1.0, 1e3]).repeat_interleave(16)).bfloat16()
+    blocked, blocked_scale = shards.quantize_rows(rows, 3)
+    # The one-pass arithmetic, row by row: what the GPU computes, and the CPU computed before.
+    grouped = rows.reshape(rows.shape[0], 3, 16).float()
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / shards.FP8_MAX, torch.ones_like(amax))
+    whole = (grouped / scale).clamp_(-shards.FP8_MAX, shards.FP8_MAX).to(torch.float8_e4m3fn).reshape(rows.shape)
+    assert torch.equal(blocked.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(blocked_scale, scale.reshape(rows.shape[0], 3))
+
+
 def test_non_finite_states_abort_and_leave_no_file(tmp_path, tiny_llama):
     prepared_path = write_prepared(tmp_path)
     model = load(tiny_llama)
