@@ -28,6 +28,7 @@ python3 benchmarks/sglang_engine.py extract --target-dir "$TARGET" --shape "$SHA
     --prepared "${PREPARED:?}" --samples "$SAMPLES" --work "$WORK/run-$SHAPE" --site "$SITE" \
     --out "$OUTDIR/sglang_engine_$SHAPE.json" "$@"
 rc=$?
-cp "$WORK/run-$SHAPE"/logs/*.log "$WORK/run-$SHAPE"/patched-state/server.log "$OUTDIR/" 2>/dev/null
+# The servers' logs and the profiles in one archive beside the JSON (a node may return few files).
+tar czf "$OUTDIR/logs-$SHAPE.tar.gz" -C "$WORK/run-$SHAPE" $(cd "$WORK/run-$SHAPE" && ls -d logs patched-state/server.log profiles 2>/dev/null)
 echo "extract rc=$rc +$(( $(date +%s) - t0 ))s"
 exit $rc

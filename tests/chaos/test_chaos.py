@@ -14,8 +14,10 @@ from support import chaos
 pytestmark = pytest.mark.workflow
 
 
-# One of each kind of server trouble: it dies, it is slow, it answers wrongly, it is not ours.
-CI_SERVER_FAULTS = ["server_killed_mid_shard", "server_slow", "server_shape_mismatch", "server_vllm"]
+# The two server troubles of a node's bad night: the server dies mid-shard, and after the
+# reboot the port holds another server. The slow server and the wrong answer have their own
+# tests (tests/test_sglang_protocol.py) and run in the full chaos run.
+CI_SERVER_FAULTS = ["server_killed_mid_shard", "server_vllm"]
 
 
 def test_pipeline_survives_kills_disk_full_corruption_server_faults_and_bad_records(tmp_path):
