@@ -15,7 +15,7 @@ readiness to the last shard, against the ceiling. Writes the ``regenerate`` sect
 ``benchmarks/results/sglang_engine_<date>.json``.
 
     python benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 --conversations CONV.jsonl \\
-        --model-path MODEL --config CONFIG.yaml... --prompts 1024 --concurrency 256 --out ceiling.json
+        --model-path MODEL --config CONFIG.yaml... --prompts 2048 --concurrency 256 --out ceiling.json
     python benchmarks/sglang_regenerate.py summary --workdir WORK --run RUN --ceiling ceiling.json --out OUT.json
 """
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     ceiling.add_argument("--model-path", required=True, help="the target's directory (its tokenizer measures prompts)")
     ceiling.add_argument("--model", default=None, help="the served model name (default: target.name)")
     ceiling.add_argument("--config", nargs="+", required=True, help="the run's config files, in order")
-    ceiling.add_argument("--prompts", type=int, default=1024)
+    ceiling.add_argument("--prompts", type=int, default=2048)
     ceiling.add_argument("--concurrency", type=int, default=256)
     ceiling.add_argument("--seed", type=int, default=0)
     ceiling.add_argument("--out", required=True)

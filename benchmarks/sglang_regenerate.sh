@@ -18,7 +18,7 @@
 # config/h200/regenerated-sampled-server.yaml (all of ShareGPT, sampled, loop-stopped); the
 # checkout needs what they read (the GGUF in resources/wheels/, results/<run>/data/).
 # DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
-# Knobs (environment): CEILING_PROMPTS (1024; 0 skips the ceiling), CEILING_CONCURRENCY (256),
+# Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (256),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +78,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
 log "target converted rc=$?"
 
-if [ "${CEILING_PROMPTS:-1024}" != 0 ]; then
+if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
     "${PLAIN[@]}" > "$OUT/ceiling-server.log" 2>&1 &
     plain=$!
     for _ in $(seq 1 600); do
@@ -90,7 +90,7 @@ if [ "${CEILING_PROMPTS:-1024}" != 0 ]; then
     log "plain server up"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-1024}" --concurrency "${CEILING_CONCURRENCY:-256}" --out "$OUT/ceiling.json" \
+        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "${CEILING_CONCURRENCY:-256}" --out "$OUT/ceiling.json" \
         > "$OUT/ceiling.log" 2>&1
     log "ceiling rc=$? $(cat "$OUT/ceiling.json" 2>/dev/null | tr -d '\n' | cut -c1-300)"
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
