@@ -121,13 +121,13 @@ def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | Non
 def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
     from ``ready`` (when the workflow's server was ready) to the last shard's report."""
+    from eaglenest.stages import regenerate
+
     reports = sorted((workdir / "results" / run / "regenerated").glob("*/shard-*.report.json"))
     shards = [json.loads(path.read_text()) for path in reports]
     ended = max((path.stat().st_mtime for path in reports), default=None)
     seconds = (ended - ready) if ended is not None and ready is not None else None
-    totals = {key: sum(report.get(key, 0) for report in shards) for key in (
-        "conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed", "skipped_after_drop",
-        "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
+    totals = regenerate.totals(shards)
     generated_per_s = round(totals["generated_tokens"] / seconds, 1) if seconds else None
     result = {
         "shards_done": len(shards),

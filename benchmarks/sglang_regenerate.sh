@@ -43,8 +43,10 @@ if [ -z "${EAGLENEST_SGLANG_COMMAND:-}" ]; then
     # The wheels go on the servers' path only: they pin their own transformers.
     export EAGLENEST_SGLANG_COMMAND="bash -c 'PYTHONPATH=\"\$PYTHONPATH:$SITE\" exec $PY -m sglang.launch_server \"\$@\"' sglang"
 fi
-# Targets and options first: --configfile takes every word after it.
-snakemake_run() { "$PY" -m snakemake "$@" --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}"; }
+# Targets and options first: --configfile takes every word after it. LIMIT: a command that
+# bounds the run (timeout), empty by default.
+LIMIT=()
+snakemake_run() { "${LIMIT[@]}" "$PY" -m snakemake "$@" --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}"; }
 # The run's name, the target and the plain server's command, from the config as the Snakefile sees it.
 eval "$("$PY" - "${CONFIGS[@]}" <<'PYTHON'
 import os, shlex, sys
@@ -98,12 +100,8 @@ fi
 
 "$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
 watcher=$!
-if [ -n "${REGENERATE_TIMEOUT_S:-}" ]; then
-    timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S" "$PY" -m snakemake "${UNTIL[@]}" \
-        --cores "${CORES:-$(nproc)}" --configfile "${CONFIGS[@]}" > "$OUT/regenerate.log" 2>&1
-else
-    snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
-fi
+[ -n "${REGENERATE_TIMEOUT_S:-}" ] && LIMIT=(timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S")
+snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 rc=$?
 log "regenerate rc=$rc"
 kill $watcher 2>/dev/null

@@ -469,16 +469,19 @@ def regenerate_shard(
     return report
 
 
+def totals(reports: list[dict]) -> dict:
+    """The shard reports' counts summed (a report older than a count has 0 of it)."""
+    return {key: sum(report.get(key, 0) for report in reports) for key in (
+        "conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed", "skipped_after_drop",
+        "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
+
+
 def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.PathLike) -> dict:
     """One report for the stage: totals over the shard reports, every failure listed."""
     reports = [json.loads(Path(p).read_text()) for p in report_paths]
-    totals = {key: sum(r.get(key, 0) for r in reports) for key in  # reports older than a key count 0
-              ("conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed",
-               "skipped_after_drop", "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens",
-               "retried")}
     summary = {
         "shards": len(reports),
-        **totals,
+        **totals(reports),
         "generation_seconds": round(sum(r["seconds"] for r in reports), 3),
         "settings": reports[0]["settings"] if reports else {},
         "failures": [dict(f, shard_id=r["shard_id"]) for r in reports for f in r["failures"]],
