@@ -201,7 +201,8 @@ def launcher_config(options, url: str) -> dict:
 
 def server_processes(server: "Server") -> dict:
     """{role: pid} of a server's processes: SGLang names them by setproctitle
-    (``sglang::scheduler...``, ``sglang::detokenizer``); the launching process holds the HTTP
+    (``sglang::scheduler...``, ``sglang::detokenizer``: ``managers/scheduler.py:4148`` and
+    ``managers/detokenizer_manager.py:487`` in 0.5.14); the launching process holds the HTTP
     server and the tokenizer manager."""
     import psutil
 
