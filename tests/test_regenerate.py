@@ -412,3 +412,29 @@ def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_
     long = kept[0]["messages"]
     assert [m["content"] for m in long if m["role"] == "assistant"] == ["answer to a1", "answer to a2", "answer to a3"]
     assert kept[0]["regenerated_turns"] == [1, 3, 5]
+
+
+def test_a_server_gets_the_conversations_with_most_turns_first_and_the_shard_keeps_its_order():
+    """The longest conversations go out first, so none of them starts last and leaves the
+    server a tail of one request at a time; the shard's rows keep their order."""
+    asked = []
+
+    class Server:
+        def prompt_length(self, messages):
+            return len(messages)
+
+        def answer(self, messages, seed):
+            asked.append(messages[0]["content"])
+            return regenerate.Generation("new", "stop", 1, generated_tokens=1)
+
+    def chat(sample_id, turns):
+        messages = []
+        for _ in range(turns):
+            messages += [{"role": "user", "content": sample_id}, {"role": "assistant", "content": "old"}]
+        return {"sample_id": sample_id, "messages": messages}
+
+    conversations = [chat("one", 1), chat("three", 3), chat("two", 2)]
+    settings = regenerate.Settings.from_config({**SAMPLING, "backend": "openai", "concurrency": 1})
+    kept, counts = regenerate.regenerate_conversations(conversations, Server(), settings, max_len=100, seed=0)
+    assert asked == ["three"] * 3 + ["two"] * 2 + ["one"]
+    assert [c["sample_id"] for c in kept] == ["one", "three", "two"] and counts["regenerated"] == 6

@@ -409,8 +409,11 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
                         counts["skipped_after_drop"] += len(turns) - wave - 1
                     return
 
+        # Most turns first: a long conversation started last would leave the server a tail
+        # of few requests in flight while its turns go out one after another.
+        order = sorted(range(len(work)), key=lambda index: -len(assistant_turns[index]))
         with ThreadPoolExecutor(max_workers=max(1, settings.concurrency)) as pool:
-            list(pool.map(one_conversation, range(len(work))))
+            list(pool.map(one_conversation, order))
     else:
         for wave in range(max((len(t) for t in assistant_turns), default=0)):
             jobs = []
