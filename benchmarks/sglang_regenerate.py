@@ -8,6 +8,14 @@ to the first assistant turn, the same prompts it would skip as too long skipped)
 same sampling settings, from a plain client that keeps ``concurrency`` requests in flight.
 Its generated tokens per second are what the engine does alone.
 
+``pick``: of several ceilings measured with different server flags (``CEILING_SWEEP``), the
+fastest; writes it as the run's ceiling and as a config overlay whose ``extract.sglang.extra_args``
+the workflow's server then runs with, so that the ceiling and the run share their flags.
+
+``schedule``: what an SGLang server's own log says about its scheduling: prefill passes and
+the requests in each, decode steps, requests running, prefix-cache hits. Where generation
+time goes when answers end one at a time and each arrival gets a prefill pass of its own.
+
 ``summary``: the workflow's regenerate stage (rule ``regenerate``, its server started by rule
 ``regenerate_server``) on the same conversations: every turn accounted for (from
 ``regenerate_report.json``), generated and kept tokens, the wall time from the server's
@@ -16,7 +24,11 @@ readiness to the last shard, against the ceiling. Writes the ``regenerate`` sect
 
     python benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 --conversations CONV.jsonl \\
         --model-path MODEL --config CONFIG.yaml... --prompts 2048 --concurrency 256 --out ceiling.json
-    python benchmarks/sglang_regenerate.py summary --workdir WORK --run RUN --ceiling ceiling.json --out OUT.json
+    python benchmarks/sglang_regenerate.py pick --ceilings ceiling-*.json --config CONFIG.yaml... \
+        --out ceiling.json --overlay server-flags.yaml
+    python benchmarks/sglang_regenerate.py schedule --log server.log
+    python benchmarks/sglang_regenerate.py summary --workdir WORK --run RUN --ceiling ceiling.json --out OUT.json \
+        [--server-log server.log]
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -96,9 +109,92 @@ def cmd_ceiling(options) -> int:
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
                              options.seed)
-    result.update(sampling=sampling, skipped_beyond_max_len=skipped, seed=options.seed)
+    result.update(sampling=sampling, skipped_beyond_max_len=skipped, seed=options.seed,
+                  server_flags=options.server_flags.split())
+    if options.server_log:
+        result["schedule"] = server_schedule(Path(options.server_log))
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
+    return 0
+
+
+def pick_ceiling(ceilings: list[dict], extra_args: list[str]) -> tuple[dict, dict]:
+    """(the fastest ceiling with the others under ``sweep``, the overlay that gives the
+    workflow's server its flags: the config's ``extract.sglang.extra_args`` and the best's)."""
+    best = max(ceilings, key=lambda ceiling: ceiling["tokens_per_s"])
+    sweep = [{"server_flags": c.get("server_flags", []), "tokens_per_s": c["tokens_per_s"],
+              "seconds": c["seconds"], "schedule": c.get("schedule")} for c in ceilings]
+    overlay = {"extract": {"sglang": {"extra_args": list(extra_args) + list(best.get("server_flags", []))}}}
+    return {**best, "sweep": sweep}, overlay
+
+
+def cmd_pick(options) -> int:
+    import yaml
+
+    from eaglenest.node.recon.config import load_config
+
+    config = load_config(REPO, options.config)
+    ceilings = [json.loads(Path(path).read_text()) for path in options.ceilings if Path(path).exists()]
+    if not ceilings:
+        print("no ceiling was measured", file=sys.stderr)
+        return 1
+    best, overlay = pick_ceiling(ceilings, config["extract"]["sglang"].get("extra_args") or [])
+    Path(options.out).write_text(json.dumps(best, indent=1) + "\n")
+    Path(options.overlay).write_text(
+        "# The regeneration server's flags: the ceiling sweep's fastest (benchmarks/sglang_regenerate.py pick)\n"
+        + yaml.safe_dump(overlay, sort_keys=False))
+    for entry in best["sweep"]:
+        print(f"{entry['tokens_per_s']:>10} tok/s  {' '.join(entry['server_flags']) or '(the config flags alone)'}")
+    print(f"picked: {' '.join(best.get('server_flags', [])) or '(the config flags alone)'}")
+    return 0
+
+
+LOG_LINE = re.compile(r"^\[(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\] (?P<kind>Prefill|Decode) batch(?P<rest>.*)$")
+
+
+def server_schedule(log_path: Path, decode_log_interval: int = 40) -> dict:
+    """The scheduling an SGLang server's log records. Each prefill pass logs one ``Prefill
+    batch`` line; a ``Decode batch`` line is logged every ``decode_log_interval`` decode steps
+    (SGLang's ``--decode-log-interval``, 40 by default), so decode steps are counted from them."""
+    def number(rest: str, key: str) -> float | None:
+        found = re.search(rf"{re.escape(key)}: ([\d.]+)", rest)
+        return float(found.group(1)) if found else None
+
+    prefill_passes = prefill_requests = new_tokens = cached_tokens = decode_lines = 0
+    running, throughput, times = [], [], []
+    with open(log_path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            found = LOG_LINE.match(line)
+            if not found:
+                continue
+            times.append(found["time"])
+            rest = found["rest"]
+            if found["kind"] == "Prefill":
+                prefill_passes += 1
+                prefill_requests += int(number(rest, "#new-seq") or 0)
+                new_tokens += int(number(rest, "#new-token") or 0)
+                cached_tokens += int(number(rest, "#cached-token") or 0)
+            else:
+                decode_lines += 1
+                running.append(number(rest, "#running-req") or 0)
+                throughput.append(number(rest, "gen throughput (token/s)") or 0)
+    decode_steps = decode_lines * decode_log_interval
+    return {
+        "prefill_passes": prefill_passes,
+        "requests_per_prefill_pass": round(prefill_requests / prefill_passes, 2) if prefill_passes else None,
+        "prefill_new_tokens": new_tokens,
+        "prefix_cache_hit": round(cached_tokens / (cached_tokens + new_tokens), 3) if new_tokens + cached_tokens else None,
+        "decode_steps": decode_steps,
+        "prefill_passes_per_decode_step": round(prefill_passes / decode_steps, 3) if decode_steps else None,
+        "mean_running_requests": round(sum(running) / len(running), 1) if running else None,
+        "highest_logged_gen_tokens_per_s": max(throughput) if throughput else None,
+        "first_line": times[0] if times else None,
+        "last_line": times[-1] if times else None,
+    }
+
+
+def cmd_schedule(options) -> int:
+    print(json.dumps(server_schedule(Path(options.log), options.decode_log_interval), indent=1))
     return 0
 
 
@@ -118,7 +214,8 @@ def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | Non
     return None
 
 
-def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None) -> dict:
+def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None,
+                       server_log: Path | None = None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
     from ``ready`` (when the workflow's server was ready) to the last shard's report."""
     from eaglenest.stages import regenerate
@@ -145,13 +242,16 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["ceiling_tokens_per_s"] = ceiling["tokens_per_s"]
         result["ratio_to_ceiling"] = round(generated_per_s / ceiling["tokens_per_s"], 3) if generated_per_s else None
         result["ceiling"] = ceiling
+    if server_log is not None and server_log.exists():
+        result["schedule"] = server_schedule(server_log)
     return result
 
 
 def cmd_summary(options) -> int:
     ceiling = json.loads(Path(options.ceiling).read_text()) if options.ceiling and Path(options.ceiling).exists() else None
     ready = float(Path(options.ready).read_text()) if options.ready and Path(options.ready).exists() else None
-    result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready)
+    result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready,
+                                Path(options.server_log) if options.server_log else None)
     Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
     print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s | ceiling tok/s | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -173,12 +273,23 @@ def main(argv=None) -> int:
     ceiling.add_argument("--prompts", type=int, default=2048)
     ceiling.add_argument("--concurrency", type=int, default=256)
     ceiling.add_argument("--seed", type=int, default=0)
+    ceiling.add_argument("--server-flags", default="", help="the flags the server runs with beyond the config's (recorded)")
+    ceiling.add_argument("--server-log", default=None, help="the server's log, read after the run (see schedule)")
     ceiling.add_argument("--out", required=True)
+    pick = commands.add_parser("pick", help="the fastest of several ceilings, and its flags as a config overlay")
+    pick.add_argument("--ceilings", nargs="+", required=True)
+    pick.add_argument("--config", nargs="+", required=True, help="the run's config files, in order")
+    pick.add_argument("--out", required=True)
+    pick.add_argument("--overlay", required=True)
+    schedule = commands.add_parser("schedule", help="prefill passes, decode steps and batch sizes from a server's log")
+    schedule.add_argument("--log", required=True)
+    schedule.add_argument("--decode-log-interval", type=int, default=40)
     summary = commands.add_parser("summary", help="the regenerate stage's row against the ceiling")
     summary.add_argument("--workdir", required=True)
     summary.add_argument("--run", required=True)
     summary.add_argument("--ceiling", default=None)
     summary.add_argument("--ready", default=None, help="the file watch wrote (when the server was ready)")
+    summary.add_argument("--server-log", default=None, help="the workflow's server log (see schedule)")
     summary.add_argument("--out", required=True)
     watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
     watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")
@@ -186,7 +297,8 @@ def main(argv=None) -> int:
     options = parser.parse_args(argv)
     if options.command == "watch":
         return 0 if watch_ready(Path(options.record), Path(options.out)) is not None else 1
-    return {"ceiling": cmd_ceiling, "summary": cmd_summary}[options.command](options)
+    commands = {"ceiling": cmd_ceiling, "pick": cmd_pick, "schedule": cmd_schedule, "summary": cmd_summary}
+    return commands[options.command](options)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 #
 # 1. the target's conversion (the workflow, --until convert_embedded_target);
 # 2. the ceiling: a plain SGLang server (no eaglenest code), started with the flags the
-#    launcher gives the regeneration server, answers a seeded sample of the first wave's
-#    prompts with the run's sampling settings, CEILING_CONCURRENCY requests in flight;
+#    launcher gives the regeneration server (and, with CEILING_SWEEP, once more per flag set),
+#    answers a seeded sample of the first wave's prompts with the run's sampling settings,
+#    CEILING_CONCURRENCY requests in flight;
 # 3. the workflow's regenerate stage (rule regenerate, its server started by rule
 #    regenerate_server), stopped after REGENERATE_TIMEOUT_S if set (a rerun makes only the
 #    missing shards);
@@ -19,6 +20,9 @@
 # checkout needs what they read (the GGUF in resources/wheels/, results/<run>/data/).
 # DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
 # Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (256),
+# CEILING_SWEEP (flag sets separated by ";", each measured by a plain server of its own on top
+# of the config's flags; the fastest of them and the config's own becomes the ceiling, and the
+# regeneration server runs with its flags: OUTDIR/server-flags.yaml),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +76,8 @@ printf '%s\n' "${CONFIGS[@]}" > "$OUT/configs.txt"
 if [ ${#TARGETS[@]} -gt 0 ]; then UNTIL=("${TARGETS[@]}"); else UNTIL=(--until regenerate_report); fi
 if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
+    IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
+    for flags in "${SWEEP[@]}"; do echo "ceiling server: ${PLAIN[*]} $flags" | tee -a "$OUT/steps.log"; done
     snakemake_run "${UNTIL[@]}" -n --quiet rules 2>&1 | tee -a "$OUT/steps.log"
     exit "${PIPESTATUS[0]}"
 fi
@@ -80,22 +86,39 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
 log "target converted rc=$?"
 
-if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
-    "${PLAIN[@]}" > "$OUT/ceiling-server.log" 2>&1 &
-    plain=$!
+# One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
+measure_ceiling() {  # label, extra flags...
+    local label="$1"; shift
+    "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
+    local plain=$!
     for _ in $(seq 1 600); do
         "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30030/health', timeout=2)" \
             2> /dev/null && break
         kill -0 $plain 2>/dev/null || break
         sleep 1
     done
-    log "plain server up"
+    log "plain server up ($label: ${*:-the config flags})"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "${CEILING_CONCURRENCY:-256}" --out "$OUT/ceiling.json" \
-        > "$OUT/ceiling.log" 2>&1
-    log "ceiling rc=$? $(cat "$OUT/ceiling.json" 2>/dev/null | tr -d '\n' | cut -c1-300)"
+        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "${CEILING_CONCURRENCY:-256}" --server-flags "$*" \
+        --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
+    log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
+    "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" > "$OUT/ceiling-schedule-$label.json"
+}
+if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
+    measure_ceiling 0
+    IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
+    label=0
+    for flags in "${SWEEP[@]}"; do
+        label=$((label + 1))
+        read -r -a words <<< "$flags"
+        [ ${#words[@]} -gt 0 ] && measure_ceiling "$label" "${words[@]}"
+    done
+    # The fastest is the run's ceiling, and its flags the workflow server's (an overlay).
+    "$PY" benchmarks/sglang_regenerate.py pick --ceilings "$OUT"/ceiling-[0-9]*.json --config "${CONFIGS[@]}" \
+        --out "$OUT/ceiling.json" --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
+    [ -e "$OUT/server-flags.yaml" ] && CONFIGS+=("$OUT/server-flags.yaml")
 fi
 
 "$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
@@ -107,5 +130,5 @@ log "regenerate rc=$rc"
 kill $watcher 2>/dev/null
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
-    --ready "$OUT/server_ready.txt" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+    --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
 exit $rc

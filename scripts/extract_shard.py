@@ -6,17 +6,14 @@ import contextlib
 import logging
 import os
 
-# A client of its block's server counts no threads (rules/common.smk, extract_threads),
-# which Snakemake exports as OMP_NUM_THREADS=0 and the like; OpenMP rejects 0 loudly.
-for variable, value in list(os.environ.items()):
-    if variable.endswith("_THREADS") and value == "0":
-        os.environ[variable] = "1"
+from eaglenest.node import gpu_slots, joblog
+
+joblog.threads_at_least_one()  # before torch: a server's clients count no threads
 
 import torch  # noqa: E402  (after the thread variables are fixed)
 
-from eaglenest.stages import extract
-from eaglenest.node import gpu_slots, joblog
-from eaglenest.sglang import client as sglang_client, launch as sglang_launch
+from eaglenest.stages import extract  # noqa: E402
+from eaglenest.sglang import client as sglang_client, launch as sglang_launch  # noqa: E402
 
 stream = joblog.to_file(snakemake.log[0])
 # Which GPUs this job was handed (by Slurm or the local slot pool) belongs in its log.

@@ -4,13 +4,15 @@ The shard's answers are defined by the settings in the directory key; device, ba
 sizes, URL and concurrency come from the config and only change speed.
 """
 import contextlib
+import dataclasses
 import logging
 
-import dataclasses
-
 from eaglenest.node import gpu_slots, joblog
-from eaglenest.sglang import launch as sglang_launch
-from eaglenest.stages import regenerate
+
+joblog.threads_at_least_one()  # before torch: a server's clients count no threads
+
+from eaglenest.sglang import launch as sglang_launch  # noqa: E402
+from eaglenest.stages import regenerate  # noqa: E402
 
 joblog.to_file(snakemake.log[0])
 section = snakemake.config["regenerate"]

@@ -120,3 +120,13 @@ def test_each_slurm_allocation_has_its_own_pool(monkeypatch, tmp_path):
     assert gpu_slots.default_lock_dir().name == "eaglenest-gpu-slots"
     monkeypatch.setenv(gpu_slots.LOCK_DIR_ENV, str(tmp_path))
     assert gpu_slots.default_lock_dir() == tmp_path
+
+
+def test_a_client_job_that_counts_no_threads_gets_one_for_openmp(monkeypatch):
+    from eaglenest.node import joblog
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    monkeypatch.setenv("MKL_NUM_THREADS", "0")
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")
+    joblog.threads_at_least_one()
+    assert [os.environ[v] for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")] == ["1", "1", "4"]

@@ -438,3 +438,45 @@ def test_a_server_gets_the_conversations_with_most_turns_first_and_the_shard_kee
     kept, counts = regenerate.regenerate_conversations(conversations, Server(), settings, max_len=100, seed=0)
     assert asked == ["three"] * 3 + ["two"] * 2 + ["one"]
     assert [c["sample_id"] for c in kept] == ["one", "three", "two"] and counts["regenerated"] == 6
+
+
+# Lines as SGLang 0.5.14 logs them (its scheduler's prefill and decode reports).
+SERVER_LOG = """\
+[2026-12-03 18:50:01] Prefill batch, #new-seq: 1, #new-token: 32, #cached-token: 26, token usage: 0.09, #running-req: 249, #queue-req: 0, #pending-token: 0, cuda graph: True, input throughput (token/s): 437.93
+[2026-12-03 18:50:01] Prefill batch, #new-seq: 3, #new-token: 75, #cached-token: 2509, token usage: 0.09, #running-req: 250, #queue-req: 0, #pending-token: 0, cuda graph: True, input throughput (token/s): 6013.95
+[2026-12-03 18:50:02] Decode batch, #running-req: 251, #token: 123308, token usage: 0.04, cuda graph: True, gen throughput (token/s): 13559.99, #queue-req: 0
+[2026-12-03 18:50:02] INFO:     127.0.0.1:51234 - "POST /v1/chat/completions HTTP/1.1" 200 OK
+[2026-12-03 18:50:03] Decode batch, #running-req: 189, #token: 151039, token usage: 0.05, cuda graph: True, gen throughput (token/s): 43788.11, #queue-req: 0
+"""
+
+
+def test_a_servers_log_tells_its_prefill_passes_and_decode_steps(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    log = tmp_path / "server.log"
+    log.write_text(SERVER_LOG)
+    schedule = sglang_regenerate.server_schedule(log, decode_log_interval=40)
+    assert schedule["prefill_passes"] == 2 and schedule["requests_per_prefill_pass"] == 2.0
+    assert schedule["prefill_new_tokens"] == 107 and schedule["prefix_cache_hit"] == round(2535 / 2642, 3)
+    # A decode line is logged every 40 decode steps.
+    assert schedule["decode_steps"] == 80 and schedule["prefill_passes_per_decode_step"] == 0.025
+    assert schedule["mean_running_requests"] == 220.0 and schedule["highest_logged_gen_tokens_per_s"] == 43788.11
+    assert (schedule["first_line"], schedule["last_line"]) == ("2026-12-03 18:50:01", "2026-12-03 18:50:03")
+
+
+def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    ceilings = [{"server_flags": [], "tokens_per_s": 18852.6, "seconds": 28.8},
+                {"server_flags": ["--scheduler-recv-interval", "16"], "tokens_per_s": 30000.0, "seconds": 18.1},
+                {"server_flags": ["--enable-prefill-delayer"], "tokens_per_s": 25000.0, "seconds": 21.7}]
+    best, overlay = sglang_regenerate.pick_ceiling(ceilings, ["--attention-backend", "triton"])
+    assert best["tokens_per_s"] == 30000.0 and [entry["tokens_per_s"] for entry in best["sweep"]] == [18852.6, 30000.0, 25000.0]
+    # The config's own flags stay first; the sweep's best are added after them.
+    assert overlay == {"extract": {"sglang": {"extra_args": ["--attention-backend", "triton", "--scheduler-recv-interval", "16"]}}}

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import logging
 import sys
+import os
 from pathlib import Path
+
+
+def threads_at_least_one() -> None:
+    """A client of a server counts no threads (rules/common.smk, extract_threads), which
+    Snakemake exports as OMP_NUM_THREADS=0 and the like; OpenMP rejects 0 loudly. Call
+    before torch is imported."""
+    for variable, value in list(os.environ.items()):
+        if variable.endswith("_THREADS") and value == "0":
+            os.environ[variable] = "1"
 
 
 def to_file(log_path: str):
