@@ -11,7 +11,8 @@
 #    regenerate_server), stopped after REGENERATE_TIMEOUT_S if set (a rerun makes only the
 #    missing shards);
 # 4. benchmarks/sglang_regenerate.py summary: every turn accounted for, generated and kept
-#    tokens per second against the ceiling -> OUTDIR/sglang_regenerate.json and a table.
+#    tokens per second against the ceiling -> OUTDIR/sglang_regenerate.json and a table;
+# 5. the regenerated folder, packed into OUTDIR/regenerated.tar.xz.part-NN (PART_MIB, 15).
 #
 #   SGLANG_WHEELS=.sglang-wheels bash benchmarks/sglang_regenerate.sh OUTDIR [config files...]
 #
@@ -131,4 +132,12 @@ kill $watcher 2>/dev/null
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
     --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+# The run's regenerated folder (shards and reports; the input of a drafter trained on the
+# target's own answers) beside the results, in parts of at most PART_MIB MiB, for nodes whose
+# results leave through channels that cap file sizes. At a checkout's root:
+#   cat OUTDIR/regenerated.tar.xz.part-* | tar -xJf -
+if [ -d "results/$RUN/regenerated" ]; then
+    tar -cf - "results/$RUN/regenerated" | xz -T0 -6 | split -b "${PART_MIB:-15}m" -d - "$OUT/regenerated.tar.xz.part-"
+    log "regenerated folder packed: $(ls "$OUT"/regenerated.tar.xz.part-* | wc -l) part(s)"
+fi
 exit $rc
