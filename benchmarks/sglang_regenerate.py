@@ -118,13 +118,18 @@ def cmd_ceiling(options) -> int:
     return 0
 
 
-def pick_ceiling(ceilings: list[dict], extra_args: list[str]) -> tuple[dict, dict]:
+def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, base_concurrency: int) -> tuple[dict, dict]:
     """(the fastest ceiling with the others under ``sweep``, the overlay that gives the
-    workflow's server its flags: the config's ``extract.sglang.extra_args`` and the best's)."""
+    workflow's server its flags: the config's ``extract.sglang.extra_args`` and the best's).
+    A best measured at another number of requests in flight than ``base_concurrency`` also
+    sets ``regenerate.concurrency``: that number shared by the shard jobs, which all run
+    side by side against the one server."""
     best = max(ceilings, key=lambda ceiling: ceiling["tokens_per_s"])
-    sweep = [{"server_flags": c.get("server_flags", []), "tokens_per_s": c["tokens_per_s"],
+    sweep = [{"server_flags": c.get("server_flags", []), "concurrency": c["concurrency"], "tokens_per_s": c["tokens_per_s"],
               "seconds": c["seconds"], "schedule": c.get("schedule")} for c in ceilings]
     overlay = {"extract": {"sglang": {"extra_args": list(extra_args) + list(best.get("server_flags", []))}}}
+    if best["concurrency"] != base_concurrency:
+        overlay["regenerate"] = {"concurrency": max(1, round(best["concurrency"] / num_shards))}
     return {**best, "sweep": sweep}, overlay
 
 
@@ -138,14 +143,18 @@ def cmd_pick(options) -> int:
     if not ceilings:
         print("no ceiling was measured", file=sys.stderr)
         return 1
-    best, overlay = pick_ceiling(ceilings, config["extract"]["sglang"].get("extra_args") or [])
+    from eaglenest import plan
+
+    best, overlay = pick_ceiling(ceilings, config["extract"]["sglang"].get("extra_args") or [], plan.num_shards(config),
+                                 options.base_concurrency)
     Path(options.out).write_text(json.dumps(best, indent=1) + "\n")
     Path(options.overlay).write_text(
         "# The regeneration server's flags: the ceiling sweep's fastest (benchmarks/sglang_regenerate.py pick)\n"
         + yaml.safe_dump(overlay, sort_keys=False))
     for entry in best["sweep"]:
-        print(f"{entry['tokens_per_s']:>10} tok/s  {' '.join(entry['server_flags']) or '(the config flags alone)'}")
-    print(f"picked: {' '.join(best.get('server_flags', [])) or '(the config flags alone)'}")
+        flags = " ".join(entry["server_flags"]) or "(the config flags alone)"
+        print(f"{entry['tokens_per_s']:>10} tok/s  {entry['concurrency']:>4} in flight  {flags}")
+    print(f"picked: {' '.join(best.get('server_flags', [])) or '(the config flags alone)'}, {best['concurrency']} in flight")
     return 0
 
 
@@ -281,6 +290,7 @@ def main(argv=None) -> int:
     pick.add_argument("--config", nargs="+", required=True, help="the run's config files, in order")
     pick.add_argument("--out", required=True)
     pick.add_argument("--overlay", required=True)
+    pick.add_argument("--base-concurrency", type=int, default=256, help="the requests in flight the config's own give")
     schedule = commands.add_parser("schedule", help="prefill passes, decode steps and batch sizes from a server's log")
     schedule.add_argument("--log", required=True)
     schedule.add_argument("--decode-log-interval", type=int, default=40)

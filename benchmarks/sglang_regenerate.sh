@@ -22,8 +22,10 @@
 # DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
 # Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (256),
 # CEILING_SWEEP (flag sets separated by ";", each measured by a plain server of its own on top
-# of the config's flags; the fastest of them and the config's own becomes the ceiling, and the
-# regeneration server runs with its flags: OUTDIR/server-flags.yaml),
+# of the config's flags; FLAGS@N measures that set at N requests in flight; the fastest of them
+# and the config's own becomes the ceiling, and the regeneration server runs with its flags, and
+# with its requests in flight shared by the shard jobs when it had its own N:
+# OUTDIR/server-flags.yaml),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +80,12 @@ if [ ${#TARGETS[@]} -gt 0 ]; then UNTIL=("${TARGETS[@]}"); else UNTIL=(--until r
 if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
     IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
-    for flags in "${SWEEP[@]}"; do echo "ceiling server: ${PLAIN[*]} $flags" | tee -a "$OUT/steps.log"; done
+    for entry in "${SWEEP[@]}"; do
+        in_flight="${CEILING_CONCURRENCY:-256}"
+        [[ "$entry" == *@* ]] && in_flight="${entry##*@}" && entry="${entry%@*}"
+        echo "ceiling server: ${PLAIN[*]} $entry" | tee -a "$OUT/steps.log"
+        echo "ceiling requests in flight: $in_flight" | tee -a "$OUT/steps.log"
+    done
     snakemake_run "${UNTIL[@]}" -n --quiet rules 2>&1 | tee -a "$OUT/steps.log"
     exit "${PIPESTATUS[0]}"
 fi
@@ -87,9 +94,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
 log "target converted rc=$?"
 
+IN_FLIGHT="${CEILING_CONCURRENCY:-256}"
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
-measure_ceiling() {  # label, extra flags...
-    local label="$1"; shift
+measure_ceiling() {  # label, requests in flight, extra flags...
+    local label="$1" in_flight="$2"; shift 2
     "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
     local plain=$!
     for _ in $(seq 1 600); do
@@ -101,24 +109,26 @@ measure_ceiling() {  # label, extra flags...
     log "plain server up ($label: ${*:-the config flags})"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "${CEILING_CONCURRENCY:-256}" --server-flags "$*" \
+        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "$in_flight" --server-flags "$*" \
         --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
     "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" > "$OUT/ceiling-schedule-$label.json"
 }
 if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
-    measure_ceiling 0
+    measure_ceiling 0 "$IN_FLIGHT"
     IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
     label=0
-    for flags in "${SWEEP[@]}"; do
+    for entry in "${SWEEP[@]}"; do  # FLAGS[@IN_FLIGHT]
         label=$((label + 1))
-        read -r -a words <<< "$flags"
-        [ ${#words[@]} -gt 0 ] && measure_ceiling "$label" "${words[@]}"
+        in_flight="$IN_FLIGHT"
+        [[ "$entry" == *@* ]] && in_flight="${entry##*@}" && entry="${entry%@*}"
+        read -r -a words <<< "$entry"
+        measure_ceiling "$label" "$in_flight" "${words[@]}"
     done
     # The fastest is the run's ceiling, and its flags the workflow server's (an overlay).
     "$PY" benchmarks/sglang_regenerate.py pick --ceilings "$OUT"/ceiling-[0-9]*.json --config "${CONFIGS[@]}" \
-        --out "$OUT/ceiling.json" --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
+        --base-concurrency "$IN_FLIGHT" --out "$OUT/ceiling.json" --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
     [ -e "$OUT/server-flags.yaml" ] && CONFIGS+=("$OUT/server-flags.yaml")
 fi
 

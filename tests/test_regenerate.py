@@ -473,10 +473,18 @@ def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     sys.path.insert(0, str(REPO / "benchmarks"))
     import sglang_regenerate
 
-    ceilings = [{"server_flags": [], "tokens_per_s": 18852.6, "seconds": 28.8},
-                {"server_flags": ["--scheduler-recv-interval", "16"], "tokens_per_s": 30000.0, "seconds": 18.1},
-                {"server_flags": ["--enable-prefill-delayer"], "tokens_per_s": 25000.0, "seconds": 21.7}]
-    best, overlay = sglang_regenerate.pick_ceiling(ceilings, ["--attention-backend", "triton"])
+    ceilings = [{"server_flags": [], "concurrency": 256, "tokens_per_s": 18852.6, "seconds": 28.8},
+                {"server_flags": ["--scheduler-recv-interval", "16"], "concurrency": 256, "tokens_per_s": 30000.0, "seconds": 18.1},
+                {"server_flags": ["--enable-prefill-delayer"], "concurrency": 256, "tokens_per_s": 25000.0, "seconds": 21.7}]
+    best, overlay = sglang_regenerate.pick_ceiling(ceilings, ["--attention-backend", "triton"], num_shards=18,
+                                                   base_concurrency=256)
     assert best["tokens_per_s"] == 30000.0 and [entry["tokens_per_s"] for entry in best["sweep"]] == [18852.6, 30000.0, 25000.0]
-    # The config's own flags stay first; the sweep's best are added after them.
+    # The config's own flags stay first; the sweep's best are added after them; the shard
+    # jobs keep their requests in flight.
     assert overlay == {"extract": {"sglang": {"extra_args": ["--attention-backend", "triton", "--scheduler-recv-interval", "16"]}}}
+    # A best measured at 512 in flight: the 18 shard jobs share the 512.
+    ceilings.append({"server_flags": ["--cuda-graph-max-bs-decode", "512"], "concurrency": 512, "tokens_per_s": 41000.0,
+                     "seconds": 13.2})
+    best, overlay = sglang_regenerate.pick_ceiling(ceilings, [], num_shards=18, base_concurrency=256)
+    assert best["concurrency"] == 512 and overlay["regenerate"] == {"concurrency": 28}
+    assert overlay["extract"]["sglang"]["extra_args"] == ["--cuda-graph-max-bs-decode", "512"]

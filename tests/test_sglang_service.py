@@ -411,15 +411,17 @@ def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_
         extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
     )
     environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
-                   "PYTHONPATH": str(REPO), "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer"}
+                   "PYTHONPATH": str(REPO), "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer --cuda-graph-max-bs-decode 512@512"}
     result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_regenerate.sh"), str(tmp_path / "out"), str(configfile)],
                             capture_output=True, text=True, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = (tmp_path / "out" / "steps.log").read_text()
     server, *sweep = [line for line in steps.splitlines() if line.startswith("ceiling server: ")]
     # One plain server per CEILING_SWEEP entry, each with the config's flags and its own.
-    assert [line.removeprefix(server).split() for line in sweep] == [["--scheduler-recv-interval", "16"],
-                                                                     ["--enable-prefill-delayer"]]
+    assert [line.removeprefix(server).split() for line in sweep] == [
+        ["--scheduler-recv-interval", "16"], ["--enable-prefill-delayer", "--cuda-graph-max-bs-decode", "512"]]
+    in_flight = [line.split()[-1] for line in steps.splitlines() if line.startswith("ceiling requests in flight: ")]
+    assert in_flight == ["256", "512"]
     command = server.split()[2:]
     assert command[0] == "sglang-server" and "--port" in command and command[command.index("--port") + 1] == "30030"
     assert command[command.index("--served-model-name") + 1] == "tiny-llama"
