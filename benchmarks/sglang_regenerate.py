@@ -111,8 +111,6 @@ def cmd_ceiling(options) -> int:
                              options.seed)
     result.update(sampling=sampling, skipped_beyond_max_len=skipped, seed=options.seed,
                   server_flags=options.server_flags.split())
-    if options.server_log:
-        result["schedule"] = server_schedule(Path(options.server_log))
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return 0
@@ -203,7 +201,12 @@ def server_schedule(log_path: Path, decode_log_interval: int = 40) -> dict:
 
 
 def cmd_schedule(options) -> int:
-    print(json.dumps(server_schedule(Path(options.log), options.decode_log_interval), indent=1))
+    schedule = server_schedule(Path(options.log), options.decode_log_interval)
+    if options.into:  # a ceiling's result: the schedule of the server that answered it
+        into = Path(options.into)
+        if into.exists():
+            into.write_text(json.dumps({**json.loads(into.read_text()), "schedule": schedule}, indent=1) + "\n")
+    print(json.dumps(schedule, indent=1))
     return 0
 
 
@@ -282,8 +285,8 @@ def main(argv=None) -> int:
     ceiling.add_argument("--prompts", type=int, default=2048)
     ceiling.add_argument("--concurrency", type=int, default=256)
     ceiling.add_argument("--seed", type=int, default=0)
-    ceiling.add_argument("--server-flags", default="", help="the flags the server runs with beyond the config's (recorded)")
-    ceiling.add_argument("--server-log", default=None, help="the server's log, read after the run (see schedule)")
+    ceiling.add_argument("--server-flags", default="",
+                         help="the flags the server runs with beyond the config's, recorded (--server-flags=\"--a b\")")
     ceiling.add_argument("--out", required=True)
     pick = commands.add_parser("pick", help="the fastest of several ceilings, and its flags as a config overlay")
     pick.add_argument("--ceilings", nargs="+", required=True)
@@ -294,6 +297,7 @@ def main(argv=None) -> int:
     schedule = commands.add_parser("schedule", help="prefill passes, decode steps and batch sizes from a server's log")
     schedule.add_argument("--log", required=True)
     schedule.add_argument("--decode-log-interval", type=int, default=40)
+    schedule.add_argument("--into", default=None, help="a JSON file (a ceiling's) to add the schedule to, if it exists")
     summary = commands.add_parser("summary", help="the regenerate stage's row against the ceiling")
     summary.add_argument("--workdir", required=True)
     summary.add_argument("--run", required=True)

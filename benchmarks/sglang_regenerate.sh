@@ -109,11 +109,12 @@ measure_ceiling() {  # label, requests in flight, extra flags...
     log "plain server up ($label: ${*:-the config flags})"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "$in_flight" --server-flags "$*" \
+        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "$in_flight" --server-flags="$*" \
         --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
-    "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" > "$OUT/ceiling-schedule-$label.json"
+    # The server's own account of its scheduling, read once it has stopped writing its log.
+    "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" --into "$OUT/ceiling-$label.json" > /dev/null
 }
 if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
     measure_ceiling 0 "$IN_FLIGHT"

@@ -429,3 +429,53 @@ def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_
     planned = {(parts[0], int(parts[1])) for line in steps.splitlines() if len(parts := line.split()) == 2 and parts[1].isdigit()}
     assert {("regenerate_server", 1), ("regenerate", 2), ("regenerate_report", 1)} <= planned, steps
     assert not any(rule in {rule for rule, _ in planned} for rule in ("prepare", "extract_hidden_states")), steps
+
+
+@pytest.mark.workflow
+def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_with_the_fastest(tmp_path, tiny_llama,
+                                                                                               sglang_standin):
+    """benchmarks/sglang_regenerate.sh end to end against the stand-in server, in a copy of the
+    checkout (the driver works in its checkout): one plain server per flag set answers the
+    ceiling, the fastest's flags and requests in flight reach the workflow's own server
+    through an overlay, every turn is accounted for, and the regenerated folder is packed."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".git", ".venv", "results", "logs", "docs", "resources",
+                                                              ".snakemake", "__pycache__", ".*"))
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 16)
+    configfile = tiny_workflow_config(
+        repo, tiny_llama, conversations, run="tiny-regenerate-driver",
+        data={"max_conversations": 16, "samples_per_shard": 8},
+        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 6,
+                    "concurrency": 2},
+        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
+    )
+    python = [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"), "--directory", str(repo)]
+    subprocess.run([*python, "--cores", "1", "--configfile", str(configfile), "--until", "ingest", "-q"], check=True,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(repo)})
+    out = tmp_path / "out"
+    environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "4",
+                   "CEILING_CONCURRENCY": "2", "PART_MIB": "1",
+                   "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer@4"}
+    result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
+                            capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, (out / "steps.log").read_text()[-3000:] + result.stderr[-3000:]
+    ceiling = json.loads((out / "ceiling.json").read_text())
+    assert [(entry["server_flags"], entry["concurrency"]) for entry in ceiling["sweep"]] == [
+        ([], 2), (["--scheduler-recv-interval", "16"], 2), (["--enable-prefill-delayer"], 4)]
+    assert all(entry["tokens_per_s"] > 0 and "schedule" in entry for entry in ceiling["sweep"])
+    assert ceiling["tokens_per_s"] == max(entry["tokens_per_s"] for entry in ceiling["sweep"])
+    overlay = yaml.safe_load((out / "server-flags.yaml").read_text())
+    assert overlay["extract"]["sglang"]["extra_args"] == ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]
+    # The workflow's server was started with the picked flags.
+    server_log = (repo / "logs" / "tiny-regenerate-driver" / "sglang" / "regenerate" / "server.log").read_text()
+    (ignored,) = [line for line in server_log.splitlines() if "ignoring SGLang flags" in line]
+    assert ignored.rstrip("]").endswith(", ".join(repr(flag) for flag in ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]))
+    summary = json.loads((out / "sglang_regenerate.json").read_text())["regenerate"]
+    assert summary["shards_done"] == 2 and summary["accounted"] and summary["regenerated"] > 0
+    assert summary["ceiling_tokens_per_s"] == ceiling["tokens_per_s"] and "schedule" in summary
+    # The packed folder holds the shards and their reports (a rerun's inputs).
+    listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert sum(name.endswith(".report.json") for name in listing) == 2 and sum(name.endswith(".jsonl") for name in listing) == 2
