@@ -74,6 +74,8 @@ def prepared_key(config: dict) -> str:
     settings = dict(sample_selection(config), target=config["target"]["name"])
     if regeneration(config):  # absent when off, so runs without regeneration keep their key
         settings["regenerate"] = regeneration(config)
+        if config["regenerate"].get("mix_original"):  # the original answers beside them
+            settings["mix_original"] = True
     blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

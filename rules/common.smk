@@ -63,6 +63,14 @@ def prepare_conversations(wildcards):
     return [LAYOUT.conversations()]
 
 
+def prepare_originals(wildcards):
+    """The ingested conversations, whose original answers a shard keeps beside the
+    regenerated ones (regenerate.mix_original), or none."""
+    if plan.regeneration(config) and config["regenerate"]["mix_original"]:
+        return [LAYOUT.conversations()]
+    return []
+
+
 def regeneration_targets():
     if plan.regeneration(config):
         return [regenerated_path("regenerate_report.json")]

@@ -145,6 +145,7 @@ rule regenerate_report:
 rule prepare:
     input:
         conversations=prepare_conversations,
+        originals=prepare_originals,
         target=target_model_input(),
     output:
         prepared_path("shard-{shard}.safetensors"),

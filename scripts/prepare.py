@@ -19,5 +19,6 @@ stats = prepare.prepare_shard(
     num_shards=plan.num_shards(snakemake.config),
     max_len=snakemake.params.max_len,
     target_name=snakemake.params.target_name,
+    originals_paths=list(snakemake.input.originals),
 )
 logging.info("prepare: %s", stats)

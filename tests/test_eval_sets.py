@@ -114,6 +114,19 @@ def test_a_held_out_set_is_the_validation_conversations_in_an_order_fixed_by_its
     assert report["kept"] == len(val) and report["rejected_total"] == 0
 
 
+def test_a_held_out_conversation_kept_in_two_versions_is_one_prompt(tmp_path):
+    # regenerate.mix_original: the split holds <id> and <id>@original; the prompt is asked once.
+    conversations, split, val = held_out_run(tmp_path)
+    both = json.loads(split.read_text())
+    both["val"] = [version for sample_id in val for version in (sample_id, sample_id + ingest.ORIGINAL_SUFFIX)]
+    split.write_text(json.dumps(both))
+    eval_sets.prepare_set({"name": "val", "split": "val", "seed": 0}, tmp_path / "p.jsonl", tmp_path / "r.json",
+                          conversations, split)
+    assert sorted(p["id"] for p in eval_sets.read_prompts(tmp_path / "p.jsonl")) == sorted(f"val/{i}" for i in val)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["kept"] == len(val) and report["rejected_total"] == 0
+
+
 def test_an_empty_validation_split_is_refused_with_what_to_change(tmp_path):
     conversations, split, _ = held_out_run(tmp_path)
     split.write_text(json.dumps({"train": ["src:0"], "val": []}))

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from eaglenest import plan
@@ -488,3 +489,59 @@ def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     best, overlay = sglang_regenerate.pick_ceiling(ceilings, [], num_shards=18, base_concurrency=256)
     assert best["concurrency"] == 512 and overlay["regenerate"] == {"concurrency": 28}
     assert overlay["extract"]["sglang"]["extra_args"] == ["--cuda-graph-max-bs-decode", "512"]
+
+
+def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_shard_and_split(tmp_path, tiny_llama):
+    """regenerate.mix_original: prepare keeps both versions of each conversation, the
+    original as <id>@original, in the shard its id picks; consolidate puts both versions on
+    the same side of the split, and a run without copies splits exactly as before."""
+    regenerated = tmp_path / "regenerated.jsonl"
+    raw = synthetic_conversations(tmp_path / "raw.jsonl", 12, seed=5)
+    originals = tmp_path / "originals.jsonl"
+    ingest.ingest([{"name": "synthetic", "path": str(raw)}], originals, tmp_path / "ingest.json", max_conversations=12,
+                  leading_assistant="drop_turn")
+    rows = read_jsonl(originals)
+    regenerated.write_text("".join(json.dumps({**c, "messages": [
+        dict(m, content="a regenerated answer") if m["role"] == "assistant" else m for m in c["messages"]]}) + "\n"
+        for c in rows if prepare.shard_of(c["sample_id"], 2) == 0))
+    out = tmp_path / "shard.safetensors"
+    stats = prepare.prepare_shard([regenerated], tiny_llama, out, shard_id=0, num_shards=2, max_len=256,
+                                  target_name="tiny-llama", originals_paths=[originals])
+    from eaglenest.formats import shards
+    ids = shards.ShardReader.open(out).sample_ids
+    mine = sorted(c["sample_id"] for c in rows if prepare.shard_of(c["sample_id"], 2) == 0)
+    assert ids == sorted(mine + [i + ingest.ORIGINAL_SUFFIX for i in mine]) and stats["original_samples"] == len(mine)
+    # The two versions differ where the answers do.
+    reader = shards.ShardReader.open(out)
+    tokens = dict(zip(ids, reader.tensor("input_ids").split(reader.token_counts)))
+    assert not torch.equal(tokens[mine[0]], tokens[mine[0] + ingest.ORIGINAL_SUFFIX])
+
+    from eaglenest.stages.consolidate import in_validation
+    import hashlib
+    for sample_id in mine:
+        assert in_validation(sample_id, 0.5, 3) == in_validation(sample_id + ingest.ORIGINAL_SUFFIX, 0.5, 3)
+        # Without copies, the split is the one of every earlier run.
+        digest = hashlib.sha256(f"3:{sample_id}".encode()).digest()
+        assert in_validation(sample_id, 0.5, 3) == (int.from_bytes(digest[:8], "big") / 2**64 < 0.5)
+    assert {in_validation(i, 0.5, 3) for i in mine} == {True, False}
+
+
+@pytest.mark.workflow
+def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_conversation(tmp_path, tiny_llama):
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 16)
+    configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, data={"max_conversations": 16},
+                                      regenerate={**REGENERATE_TINY, "mix_original": True},
+                                      consolidate={"val_fraction": 0.3})
+    config = yaml.safe_load(configfile.read_text())
+    plain = dict(config, regenerate={**config["regenerate"], "mix_original": False})
+    assert plan.prepared_key(config) != plan.prepared_key(plain)  # its own prepared shards
+    assert plan.regeneration_key(config) == plan.regeneration_key(plain)  # the same regenerated ones
+    run_snakemake(tmp_path, configfile, "--cores", "2", "prepare_report", "regenerate_report",
+                  f"results/{config['run']}/consolidated/split.json")
+    report = json.loads(next(tmp_path.glob("results/*/prepared/*/prepare_report.json")).read_text())
+    regenerated = json.loads(next(tmp_path.glob("results/*/regenerated/*/regenerate_report.json")).read_text())
+    assert report["original_samples"] == regenerated["conversations_out"] == report["samples"] // 2
+    split = json.loads(next(tmp_path.glob("results/*/consolidated/split.json")).read_text())
+    side = {sample_id: name for name in ("train", "val") for sample_id in split[name]}
+    assert len(side) == report["samples"] and split["val"] and split["train"]
+    assert all(side[i] == side[ingest.base_sample_id(i)] for i in side if i.endswith(ingest.ORIGINAL_SUFFIX))

@@ -457,13 +457,13 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     out = tmp_path / "out"
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "4",
                    "CEILING_CONCURRENCY": "2", "PART_MIB": "1",
-                   "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer@4"}
+                   "CEILING_SWEEP": "--enable-prefill-delayer --scheduler-recv-interval 16@4"}
     result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
                             capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, (out / "steps.log").read_text()[-3000:] + result.stderr[-3000:]
     ceiling = json.loads((out / "ceiling.json").read_text())
     assert [(entry["server_flags"], entry["concurrency"]) for entry in ceiling["sweep"]] == [
-        ([], 2), (["--scheduler-recv-interval", "16"], 2), (["--enable-prefill-delayer"], 4)]
+        ([], 2), (["--enable-prefill-delayer", "--scheduler-recv-interval", "16"], 4)]
     assert all(entry["tokens_per_s"] > 0 and "schedule" in entry for entry in ceiling["sweep"])
     assert ceiling["tokens_per_s"] == max(entry["tokens_per_s"] for entry in ceiling["sweep"])
     overlay = yaml.safe_load((out / "server-flags.yaml").read_text())

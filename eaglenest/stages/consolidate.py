@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from eaglenest.formats import atomic, shards, vocab
+from eaglenest.stages.ingest import base_sample_id
 
 
 class ConsolidationError(RuntimeError):
@@ -26,7 +27,9 @@ class ConsolidationError(RuntimeError):
 
 
 def in_validation(sample_id: str, val_fraction: float, seed: int) -> bool:
-    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    """By the conversation's id: an original copy (``<id>@original``) goes where its
+    regenerated version goes, and a run without copies splits as before."""
+    digest = hashlib.sha256(f"{seed}:{base_sample_id(sample_id)}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 

@@ -151,7 +151,9 @@ def read_held_out(
 ) -> ingest.IngestReport:
     """The prompts of the run's ``split`` conversations (``{name, split}`` sets): ingest's
     conversations whose sample ids consolidate put in that split, in held_out_order."""
-    sample_ids = json.loads(Path(split_path).read_text())[split]
+    # Once per conversation: a run that keeps original answers beside regenerated ones holds
+    # each held-out conversation twice (ingest.ORIGINAL_SUFFIX); the prompts are the same.
+    sample_ids = list(dict.fromkeys(ingest.base_sample_id(i) for i in json.loads(Path(split_path).read_text())[split]))
     if not sample_ids:
         raise EmptyEvalSet(f"eval set {name!r}: the {split!r} split of {split_path} is empty "
                            f"(raise consolidate.val_fraction or data.max_conversations)")

@@ -41,6 +41,16 @@ ROLE_ALIASES = {
 READ_CHUNK = 8 << 20
 
 
+# A second sample of one conversation: its original answers, kept beside the regenerated
+# ones (regenerate.mix_original, stages/prepare.py). Splits go by the conversation.
+ORIGINAL_SUFFIX = "@original"
+
+
+def base_sample_id(sample_id: str) -> str:
+    """The conversation a sample comes from: its id without the suffix of an original copy."""
+    return sample_id.removesuffix(ORIGINAL_SUFFIX)
+
+
 @dataclass
 class IngestReport:
     files: list[dict] = field(default_factory=list)

@@ -9,6 +9,12 @@ prefix of the full conversation, and ``messages[:k+1]`` ends where the turn ends
 
 Sharding: ``shard_of(sample_id, num_shards)`` hashes the stable sample id only, so a
 sample's shard never depends on order, batch size, GPU count or what else is in the source.
+
+Originals beside regenerated answers (``regenerate.mix_original``): a shard then holds each
+conversation twice, the target's answers under its sample id and the original answers under
+``<sample id>@original``; both were picked by the id before the suffix, and consolidate splits
+by it too (``ingest.base_sample_id``), so a conversation's two versions never sit on both sides of
+the train/validation split.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 from pathlib import Path
 
 from eaglenest.formats import atomic, shards
-from eaglenest.stages.ingest import read_conversations
+from eaglenest.stages.ingest import ORIGINAL_SUFFIX, read_conversations
 
 
 class TemplateError(ValueError):
@@ -127,15 +133,22 @@ def prepare_shard(
     num_shards: int,
     max_len: int,
     target_name: str,
+    originals_paths: list | None = None,
 ) -> dict:
     """Tokenize the conversations of one shard and write its prepared shard (rule prepare).
 
     ``conversations_paths``: the ingested conversations (all shards; this one's are picked
     by the hash of their ids), or this shard's regenerated conversations.
+    ``originals_paths``: the ingested conversations, whose original answers this shard also
+    keeps, as ``<sample id>@original`` (``regenerate.mix_original``).
     """
     tokenizer = load_tokenizer(target_path)
     conversations = shard_conversations(conversations_paths, shard_id, num_shards)
+    originals = shard_conversations(originals_paths, shard_id, num_shards) if originals_paths else []
+    conversations += [dict(c, sample_id=c["sample_id"] + ORIGINAL_SUFFIX) for c in originals]
     samples, counts = tokenize_samples(tokenizer, conversations, max_len)
+    if originals_paths:
+        counts["original_samples"] = sum(s["sample_id"].endswith(ORIGINAL_SUFFIX) for s in samples)
     write_shard(output_path, shard_id, num_shards, samples, counts, max_len, target_name)
     return {"shard_id": shard_id, "samples": len(samples), "tokens": sum(len(s["input_ids"]) for s in samples), **counts}
 
@@ -170,6 +183,7 @@ def summarize(prepared_paths: list, report_path: str | os.PathLike) -> dict:
     they are listed in ``shards_without_drop_counts`` and left out of those two totals.
     """
     per_shard, truncated, dropped, uncounted = [], 0, collections.Counter(), []
+    originals = None  # samples of original answers kept beside regenerated ones, if any
     meta = {}
     for path in prepared_paths:
         _, meta = shards.read_header(path)
@@ -179,6 +193,8 @@ def summarize(prepared_paths: list, report_path: str | os.PathLike) -> dict:
         else:
             truncated += counts["truncated_to_max_len"]
             dropped.update(counts["dropped"])
+            if "original_samples" in counts:
+                originals = (originals or 0) + counts["original_samples"]
         per_shard.append(
             {
                 "shard_id": meta["shard_id"],
@@ -198,6 +214,8 @@ def summarize(prepared_paths: list, report_path: str | os.PathLike) -> dict:
         "dropped": dict(sorted(dropped.items())),
         "shards": per_shard,
     }
+    if originals is not None:
+        report["original_samples"] = originals
     if uncounted:
         report["shards_without_drop_counts"] = uncounted
     atomic.write_json(report_path, report)

@@ -78,6 +78,8 @@ class Settings:
     timeout_s: float
     backoff_s: float
     threads: int
+    # read by prepare, not here: the original answers kept beside the regenerated ones
+    mix_original: bool
 
     @classmethod
     def from_config(cls, section: dict | None = None) -> "Settings":
