@@ -77,6 +77,15 @@ def regeneration_targets():
     return []
 
 
+def draft_vocab_source():
+    """The file an earlier run's draft vocabulary is read from (consolidate.draft_vocab_from),
+    as an input, so that a changed one makes consolidate run again; or none."""
+    source = config["consolidate"]["draft_vocab_from"]
+    if not source:
+        return []
+    return [source if Path(source).suffix == ".safetensors" else str(Path(source) / "model.safetensors")]
+
+
 def hidden_shards():
     return [LAYOUT.hidden_shard(shard) for shard in SHARD_IDS]
 
@@ -176,7 +185,7 @@ def server_launch_config():
 
 
 def untracked_param(value):
-    """A param of rule sglang_server that never reruns the shards its server served.
+    """A param that never reruns its job (rule sglang_server: the shards its server served).
 
     Snakemake records params for the params rerun trigger, except those computed from the
     output ("derived"). A server job that Snakemake finds changed must run again, and so

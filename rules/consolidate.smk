@@ -5,6 +5,7 @@ rule consolidate:
     input:
         hidden=hidden_shards(),
         prepared=prepared_shards(),
+        draft_vocab_from=draft_vocab_source(),
     output:
         index=report(
             run_path("consolidated", "index.json"),
@@ -30,6 +31,9 @@ rule consolidate:
         draft_vocab_size=config["consolidate"]["draft_vocab_size"],
         val_fraction=config["consolidate"]["val_fraction"],
         seed=config["consolidate"]["seed"],
+        # the input above reruns consolidate when it changes; a param would rerun every
+        # consolidate made before the option existed
+        draft_vocab_from=untracked_param(config["consolidate"]["draft_vocab_from"]),
     script:
         "../scripts/consolidate.py"
 

@@ -21,5 +21,6 @@ index = consolidate.consolidate(
     val_fraction=snakemake.params.val_fraction,
     seed=snakemake.params.seed,
     threads=snakemake.threads,
+    draft_vocab_from=snakemake.params.draft_vocab_from,
 )
 logging.info("consolidated: %s", index["totals"])

@@ -43,11 +43,12 @@ def fake_pair(tmp_path, shard_id, ids, hidden=4):
     return str(path), str(prepared)
 
 
-def run_consolidate(tmp_path, pairs):
-    out = tmp_path / "consolidated"
+def run_consolidate(tmp_path, pairs, name="consolidated", **options):
+    out = tmp_path / name
     return consolidate.consolidate(
         [h for h, _ in pairs], [p for _, p in pairs], out / "index.json", out / "draft_vocab.safetensors", out / "split.json",
         target_vocab_size=16, draft_vocab_size=4, expect={"target": "t", "layer_ids": [0, 1, 2], "dtype": "bfloat16"},
+        **options,
     )
 
 
@@ -77,3 +78,36 @@ def test_corrupt_and_stale_shards_are_all_named_with_the_fix(tmp_path):
     assert "shard-00002.safetensors: token ids differ" in message
     assert f"rm {pairs[1][0]} {pairs[2][0]}" in message
     assert not (tmp_path / "consolidated" / "index.json").exists()
+
+
+def test_a_run_can_keep_an_earlier_runs_draft_vocabulary(tmp_path):
+    """consolidate.draft_vocab_from: other data, the earlier run's d2t/t2d (what a warm start
+    needs), the coverage measured on this run's loss tokens."""
+    from safetensors.torch import save_file
+
+    earlier = run_consolidate(tmp_path, [fake_pair(tmp_path, 0, [[1, 2, 3], [3, 3]]), fake_pair(tmp_path, 1, [[7, 3, 9, 9]])])
+    earlier_vocab = tmp_path / "consolidated" / "draft_vocab.safetensors"
+    other = tmp_path / "other"
+    pairs = [fake_pair(other, 0, [[4, 4, 5], [6, 4]]), fake_pair(other, 1, [[3, 3, 11, 12]])]
+    built = run_consolidate(other, pairs, name="built")
+    assert vocab.draft_to_target(vocab.load_draft_vocab(other / "built" / "draft_vocab.safetensors")["d2t"]).tolist() == [3, 4, 5, 6]
+    kept = run_consolidate(other, pairs, name="kept", draft_vocab_from=str(earlier_vocab))
+    saved = vocab.load_draft_vocab(other / "kept" / "draft_vocab.safetensors")
+    assert vocab.draft_to_target(saved["d2t"]).tolist() == [1, 2, 3, 9]
+    assert kept["draft_vocab"]["from"] == str(earlier_vocab) and earlier["draft_vocab"].get("from") is None
+    assert kept["draft_vocab"]["loss_token_coverage"] == round(2 / 9, 6) < built["draft_vocab"]["loss_token_coverage"]
+    # An export's directory works the same (its model.safetensors holds d2t and t2d).
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file({"d2t": saved["d2t"], "t2d": saved["t2d"], "lm_head.weight": torch.zeros(4, 2)}, str(export / "model.safetensors"))
+    assert [t.tolist() for t in vocab.read_draft_vocab_of(export, 16, 4)] == [saved["d2t"].tolist(), saved["t2d"].tolist()]
+    # Another size, or a d2t that does not match its t2d, is refused with the reason.
+    with pytest.raises(ValueError, match="a draft vocabulary of 4 over 16 target tokens, this run has 5 over 16"):
+        vocab.read_draft_vocab_of(earlier_vocab, 16, 5)
+    broken = saved["t2d"].clone()
+    broken[0] = True
+    save_file({"d2t": saved["d2t"], "t2d": broken}, str(tmp_path / "broken.safetensors"))
+    with pytest.raises(ValueError, match="do not name the same target tokens"):
+        vocab.read_draft_vocab_of(tmp_path / "broken.safetensors", 16, 4)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        vocab.read_draft_vocab_of(tmp_path / "consolidated", 16, 4)

@@ -528,11 +528,20 @@ def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_s
 
 @pytest.mark.workflow
 def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_conversation(tmp_path, tiny_llama):
+    """regenerate.mix_original through the Snakefile; the run also keeps an earlier run's
+    draft vocabulary (consolidate.draft_vocab_from), as a warm start on new data needs."""
+    from eaglenest.formats import vocab
+
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 16)
     configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, data={"max_conversations": 16},
-                                      regenerate={**REGENERATE_TINY, "mix_original": True},
-                                      consolidate={"val_fraction": 0.3})
+                                      regenerate={**REGENERATE_TINY, "mix_original": True})
     config = yaml.safe_load(configfile.read_text())
+    sizes = config["target"]["vocab_size"], config["consolidate"]["draft_vocab_size"]
+    earlier = tmp_path / "earlier_draft_vocab.safetensors"
+    d2t, t2d = vocab.build_draft_vocab(torch.randint(0, 50, (sizes[0],)), sizes[1])
+    vocab.save_draft_vocab(earlier, d2t, t2d, torch.zeros(sizes[0], dtype=torch.int64), {})
+    config["consolidate"].update(val_fraction=0.3, draft_vocab_from=str(earlier))
+    configfile.write_text(yaml.safe_dump(config, sort_keys=False))
     plain = dict(config, regenerate={**config["regenerate"], "mix_original": False})
     assert plan.prepared_key(config) != plan.prepared_key(plain)  # its own prepared shards
     assert plan.regeneration_key(config) == plan.regeneration_key(plain)  # the same regenerated ones
@@ -545,3 +554,5 @@ def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_con
     side = {sample_id: name for name in ("train", "val") for sample_id in split[name]}
     assert len(side) == report["samples"] and split["val"] and split["train"]
     assert all(side[i] == side[ingest.base_sample_id(i)] for i in side if i.endswith(ingest.ORIGINAL_SUFFIX))
+    kept = vocab.load_draft_vocab(next(tmp_path.glob("results/*/consolidated/draft_vocab.safetensors")))
+    assert torch.equal(kept["d2t"], d2t) and torch.equal(kept["t2d"], t2d)

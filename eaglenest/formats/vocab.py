@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +31,28 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[chosen] = True
     d2t = chosen - torch.arange(draft_vocab_size)
+    return d2t, t2d
+
+
+def read_draft_vocab_of(source: str | os.PathLike, target_vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of an earlier run, to keep its draft vocabulary (consolidate.draft_vocab_from):
+    a run's ``consolidated/draft_vocab.safetensors``, a drafter export's ``model.safetensors``
+    or the export's directory. Checked against this run's sizes and for consistency."""
+    from safetensors import safe_open
+
+    path = Path(source) / "model.safetensors" if Path(source).is_dir() else Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"consolidate.draft_vocab_from {source}: no {path.name} there")
+    with safe_open(str(path), framework="pt") as handle:
+        missing = {"d2t", "t2d"} - set(handle.keys())
+        if missing:
+            raise ValueError(f"consolidate.draft_vocab_from {path}: holds no {' or '.join(sorted(missing))}")
+        d2t, t2d = handle.get_tensor("d2t").to(torch.int64), handle.get_tensor("t2d").to(torch.bool)
+    if t2d.numel() != target_vocab_size or d2t.numel() != draft_vocab_size:
+        raise ValueError(f"consolidate.draft_vocab_from {path}: a draft vocabulary of {d2t.numel()} over {t2d.numel()} "
+                         f"target tokens, this run has {draft_vocab_size} over {target_vocab_size}")
+    if not torch.equal(torch.nonzero(t2d).flatten(), draft_to_target(d2t)):
+        raise ValueError(f"consolidate.draft_vocab_from {path}: d2t and t2d do not name the same target tokens")
     return d2t, t2d
 
 

@@ -45,6 +45,7 @@ def consolidate(
     val_fraction: float = 0.05,
     seed: int = 0,
     threads: int = 1,
+    draft_vocab_from: str | None = None,
 ) -> dict:
     bad = []
     entries = []
@@ -98,12 +99,15 @@ def consolidate(
             f"{len(bad)} hidden shard(s) failed verification:\n{listing}\n"
             f"Rebuild only these with: rm {paths} && snakemake --cores all"
         )
-    d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size)
+    if draft_vocab_from:  # an earlier run's, kept (e.g. for a warm start on other data)
+        d2t, t2d = vocab.read_draft_vocab_of(draft_vocab_from, target_vocab_size, draft_vocab_size)
+    else:
+        d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size)
     seen = int((counts > 0).sum())
-    vocab.save_draft_vocab(
-        vocab_path, d2t, t2d, counts,
-        {"draft_vocab_size": draft_vocab_size, "target_vocab_size": target_vocab_size, "distinct_tokens_seen": seen},
-    )
+    meta = {"draft_vocab_size": draft_vocab_size, "target_vocab_size": target_vocab_size, "distinct_tokens_seen": seen}
+    if draft_vocab_from:
+        meta["from"] = str(draft_vocab_from)
+    vocab.save_draft_vocab(vocab_path, d2t, t2d, counts, meta)
     covered = int(counts[t2d].sum())
     index = {
         "format_version": shards.FORMAT_VERSION,
@@ -120,6 +124,7 @@ def consolidate(
             "size": draft_vocab_size,
             "distinct_loss_tokens_seen": seen,
             "loss_token_coverage": round(covered / max(int(counts.sum()), 1), 6),
+            **({"from": str(draft_vocab_from)} if draft_vocab_from else {}),
         },
         "split": {"train": len(split["train"]), "val": len(split["val"]), "val_fraction": val_fraction, "seed": seed},
     }
