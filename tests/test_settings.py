@@ -80,3 +80,17 @@ def test_the_demo_configs_commented_eval_set_entries_are_valid():
     config["evaluate"]["sets"] += examples
     assert settings.validate_with_defaults(config) == []
     assert eval_sets.set_names(config["evaluate"]["sets"])[2:] == [entry["name"] for entry in examples]
+
+
+@pytest.mark.parametrize("overlay", sorted(p.name for p in (REPO / "config" / "h200").glob("*.yaml")))
+def test_every_recorded_runs_overlay_is_a_valid_config(overlay):
+    """config/h200/: each run's overlay, on the base its header names, passes the schema."""
+    from eaglenest.node.recon.config import load_config
+
+    stack = ["config/h200-smollm2.yaml", "config/h200/carried-data.yaml"]
+    if overlay.startswith("own-answers"):  # on the regenerated set
+        stack += ["config/h200/regenerated-sampled-server.yaml", "config/h200/own-answers.yaml"]
+    if overlay.startswith("regenerated") and overlay != "regenerated-sampled-server.yaml":  # the 1K arms
+        stack += ["config/h200/subset-1k.yaml"]
+    config = load_config(REPO, [*stack, f"config/h200/{overlay}"])
+    assert config["run"] and config["target"]["name"] == "SmolLM2-135M-Instruct"
