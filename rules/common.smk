@@ -83,7 +83,13 @@ def draft_vocab_source():
     source = config["consolidate"]["draft_vocab_from"]
     if not source:
         return []
-    return [source if Path(source).suffix == ".safetensors" else str(Path(source) / "model.safetensors")]
+    return [
+        (
+            source
+            if Path(source).suffix == ".safetensors"
+            else str(Path(source) / "model.safetensors")
+        )
+    ]
 
 
 def hidden_shards():
@@ -185,7 +191,7 @@ def server_launch_config():
 
 
 def untracked_param(value):
-    """A param that never reruns its job (rule sglang_server: the shards its server served).
+    """A param that never reruns its job (for rule sglang_server, the shards its server served).
 
     Snakemake records params for the params rerun trigger, except those computed from the
     output ("derived"). A server job that Snakemake finds changed must run again, and so
