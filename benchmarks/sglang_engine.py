@@ -160,6 +160,57 @@ class Server:
         log(f"stopped {self.name}")
 
 
+def measure_patched(options, result: dict, work: Path, env: dict, logs: Path, prepared: Path, warmup: Path,
+                    layer_ids: list[int], hf: dict, dtype: str, first: bool, port: int) -> None:
+    """Step 3 for one storage dtype: the patched server its run starts, the workflow's client
+    on the shard (profiled for the first dtype), then the other client windows (first dtype)."""
+    from eaglenest.sglang import client as sglang_client
+
+    url = f"http://127.0.0.1:{port}"
+    config_path = work / f"patched-config-{dtype}.json"
+    config_path.write_text(json.dumps(launcher_config(options, url, dtype)))
+    state = work / f"patched-state-{dtype}"
+    patched = Server(f"patched-{dtype}", [sys.executable, "-m", "eaglenest.sglang.launch", "--config-json",
+                                          config_path.read_text(), "--state-dir", str(state)], env, logs)
+    client = dict(url=url, target_name=options.target_name, layer_ids=layer_ids, hidden_size=hf["hidden_size"],
+                  num_layers=hf["num_hidden_layers"], spool_dir=options.spool_dir, concurrency=options.concurrency,
+                  samples_per_request=options.samples_per_request, tokens_in_flight=options.tokens_in_flight,
+                  check_disk=False, dtype=dtype)
+    try:
+        result.setdefault("patched_boot_s", {})[dtype] = round(patched.wait(url + "/eaglenest/info", 900), 1)
+        sglang_client.extract_shard_via_server(warmup, work / f"warmup-hidden-{dtype}" / "shard-00000.safetensors", **client)
+        path = work / f"sglang-{dtype}" / "shard-00000.safetensors"
+        profiles = start_profiles(patched, options.profile_s, work / "profiles") if first else []
+        started = time.perf_counter()
+        stats = sglang_client.extract_shard_via_server(prepared, path, **client)
+        stats["wall_s"] = round(time.perf_counter() - started, 3)
+        result["patched"][dtype] = stats
+        log(f"patched {dtype}: {stats}")
+        if profiles:
+            result["profile"] = finish_profiles(profiles)
+        if dtype != "bfloat16":
+            path.unlink()
+        if first:
+            # The same server and shard with other client windows: SAMPLES_PER_REQUEST:TOKENS_IN_FLIGHT.
+            result["patched_windows"] = []
+            for window in options.windows:
+                samples_per_request, tokens_in_flight = (int(x) for x in window.split(":"))
+                path = work / "sglang-window" / "shard-00000.safetensors"
+                started = time.perf_counter()
+                stats = sglang_client.extract_shard_via_server(
+                    prepared, path, **{**client, "samples_per_request": samples_per_request, "tokens_in_flight": tokens_in_flight})
+                stats.update(wall_s=round(time.perf_counter() - started, 3), samples_per_request=samples_per_request,
+                             tokens_in_flight=tokens_in_flight)
+                result["patched_windows"].append(stats)
+                log(f"patched window {window}: {stats}")
+                path.unlink()
+        capture_lines = [line for line in (state / "server.log").read_text(errors="replace").splitlines()
+                         if "eaglenest capture" in line]
+        result.setdefault("patched_capture_log", {})[dtype] = capture_lines[:4]
+    finally:
+        patched.stop()
+
+
 def server_env(site: str | None) -> dict:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
                SGLANG_DISABLE_REQUEST_LOGGING="1")
@@ -183,13 +234,15 @@ def plain_command(options, port: int) -> list[str]:
     return [arg for arg in command if arg not in capture_flags]
 
 
-def launcher_config(options, url: str) -> dict:
+def launcher_config(options, url: str, dtype: str = "bfloat16") -> dict:
+    """The run's config as the launcher reads it; ``dtype`` the run's extract.dtype (an fp8 run's
+    server quantises the rows itself)."""
     hf = json.loads((Path(options.target_dir) / "config.json").read_text())
     return {
         "run": "sglang-engine",
         "target": {"name": options.target_name, "path": str(Path(options.target_dir).resolve()),
                    "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"], "tensor_parallel": 1},
-        "extract": {"layer_ids": "default", "backend": "sglang", "sglang": {
+        "extract": {"layer_ids": "default", "backend": "sglang", "dtype": dtype, "sglang": {
             "url": url, "spool_dir": options.spool_dir, "startup_timeout_s": 900, "prefill_tokens": options.prefill_tokens,
             "samples_per_request": options.samples_per_request, "concurrency": options.concurrency,
             "tokens_in_flight": options.tokens_in_flight, "writer_threads": options.writer_threads, "extra_args": common_flags(options)}},
@@ -396,7 +449,6 @@ def cmd_extract(options) -> int:
     import torch
 
     import sglang_h200
-    from eaglenest.sglang import client as sglang_client
     from eaglenest.stages import extract
     from eaglenest.target_model import layer_ids as layer_id_convention
 
@@ -432,55 +484,13 @@ def cmd_extract(options) -> int:
     result["disk"] = {dtype: measure_disk(prepared, hf["hidden_size"], len(layer_ids), dtype, work) for dtype in options.dtypes}
     log(f"disk: {result['disk']}")
     save()
-    # 3. the patched server and the workflow's client
-    url = "http://127.0.0.1:30021"
-    config_path = work / "patched-config.json"
-    config_path.write_text(json.dumps(launcher_config(options, url)))
-    patched = Server("patched", [sys.executable, "-m", "eaglenest.sglang.launch", "--config-json", config_path.read_text(),
-                                 "--state-dir", str(work / "patched-state")], env, logs)
-    client = dict(url=url, target_name=options.target_name, layer_ids=layer_ids, hidden_size=hf["hidden_size"],
-                  num_layers=hf["num_hidden_layers"], spool_dir=options.spool_dir, concurrency=options.concurrency,
-                  samples_per_request=options.samples_per_request, tokens_in_flight=options.tokens_in_flight,
-                  check_disk=False)
+    # 3. the patched server and the workflow's client: one server per storage dtype, started
+    # as that run's launcher starts it (an fp8 run's server quantises the rows on the GPU)
     result["patched"] = {}
-    try:
-        result["patched_boot_s"] = round(patched.wait(url + "/eaglenest/info", 900), 1)
-        sglang_client.extract_shard_via_server(warmup, work / "warmup-hidden" / "shard-00000.safetensors", dtype="bfloat16", **client)
-        for dtype in options.dtypes:
-            path = work / f"sglang-{dtype}" / "shard-00000.safetensors"
-            # The first dtype's extraction is profiled (py-spy, every server process).
-            profiles = start_profiles(patched, options.profile_s, work / "profiles") if dtype == options.dtypes[0] else []
-            started = time.perf_counter()
-            stats = sglang_client.extract_shard_via_server(prepared, path, dtype=dtype, **client)
-            stats["wall_s"] = round(time.perf_counter() - started, 3)
-            result["patched"][dtype] = stats
-            log(f"patched {dtype}: {stats}")
-            if profiles:
-                result["profile"] = finish_profiles(profiles)
-            save()
-            if dtype != "bfloat16":
-                path.unlink()
-        # The same server and shard with other client windows: SAMPLES_PER_REQUEST:TOKENS_IN_FLIGHT.
-        result["patched_windows"] = []
-        for window in options.windows:
-            samples_per_request, tokens_in_flight = (int(x) for x in window.split(":"))
-            path = work / "sglang-window" / "shard-00000.safetensors"
-            started = time.perf_counter()
-            stats = sglang_client.extract_shard_via_server(
-                prepared, path, dtype=options.dtypes[0],
-                **{**client, "samples_per_request": samples_per_request, "tokens_in_flight": tokens_in_flight})
-            stats.update(wall_s=round(time.perf_counter() - started, 3), samples_per_request=samples_per_request,
-                         tokens_in_flight=tokens_in_flight)
-            result["patched_windows"].append(stats)
-            log(f"patched window {window}: {stats}")
-            path.unlink()
-            save()
-        capture_lines = [line for line in (work / "patched-state" / "server.log").read_text(errors="replace").splitlines()
-                         if "eaglenest capture" in line]
-        result["patched_capture_log"] = capture_lines[:4]
-    finally:
-        patched.stop()
-    save()
+    for index, dtype in enumerate(options.dtypes):
+        measure_patched(options, result, work, env, logs, prepared, warmup, layer_ids, hf, dtype, first=index == 0,
+                        port=30021 + index)
+        save()
     # 4. the transformers backend on the same weights, and the comparison in bf16
     result["transformers"] = {}
     for dtype in options.dtypes:

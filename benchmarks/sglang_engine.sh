@@ -29,6 +29,6 @@ python3 benchmarks/sglang_engine.py extract --target-dir "$TARGET" --shape "$SHA
     --out "$OUTDIR/sglang_engine_$SHAPE.json" "$@"
 rc=$?
 # The servers' logs and the profiles in one archive beside the JSON (a node may return few files).
-tar czf "$OUTDIR/logs-$SHAPE.tar.gz" -C "$WORK/run-$SHAPE" $(cd "$WORK/run-$SHAPE" && ls -d logs patched-state/server.log profiles 2>/dev/null)
+tar czf "$OUTDIR/logs-$SHAPE.tar.gz" -C "$WORK/run-$SHAPE" $(cd "$WORK/run-$SHAPE" && ls -d logs patched-state-*/server.log profiles 2>/dev/null)
 echo "extract rc=$rc +$(( $(date +%s) - t0 ))s"
 exit $rc

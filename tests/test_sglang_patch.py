@@ -444,6 +444,37 @@ def test_sglang_0514_hooks_spool_aux_and_final_rows_of_each_request(sglang_0514_
 
 
 @pytest.mark.integration
+def test_sglang_0514_hooks_quantise_an_fp8_runs_rows_before_their_copy_to_the_host(sglang_0514_src, tmp_path):
+    """storage_dtype float8_e4m3: 0.5.14's stored rows leave the logits processor as
+    quantized_rows' uint8 (half the bytes to copy), are spooled as they are, and split into
+    exactly what the client would have stored from the bf16 rows."""
+    from eaglenest.stages import shard_driver
+
+    mode = pinned_capture_hidden_mode(sglang_0514_src)
+    settings = {"spool_dir": str(tmp_path), "hidden_size": 8, "storage_dtype": "float8_e4m3"}
+    store = sglang_patch.make_hidden_states_to_store_0514(pinned_0514(sglang_0514_src, "hidden_states_to_store", {"torch": torch}),
+                                                          settings)
+    hidden, n = 8, 5
+    torch.manual_seed(1)
+    final = torch.randn(n, hidden, dtype=torch.bfloat16)
+    aux = [torch.randn(n, hidden, dtype=torch.bfloat16) * 10 ** k for k in range(3)]
+    stored = store(None, final, None, aux, final, None, None, None, SimpleNamespace(capture_hidden_mode=mode.FULL))
+    assert stored.dtype == torch.uint8 and stored.shape == (n, 4 * hidden + 4 * 4)
+    append = sglang_patch.make_append_prefill_hidden_states_0514(pinned_0514(sglang_0514_src, "append_prefill"), settings,
+                                                                 lambda: True)
+    req = make_req("r-fp8", list(range(n)))
+    req.extend_input_len = n
+    append(None, req=req, logits_output=SimpleNamespace(hidden_states=stored), hidden_state_offset=0)
+    (descriptor,) = req.customized_info[sglang_patch.SPOOL_KEY]
+    spooled = sglang_patch.read_spooled(descriptor["path"])["hidden"]
+    split = sglang_patch.split_quantized_rows(spooled, hidden, num_aux_layers=3)
+    expected = shard_driver.to_storage(torch.cat(aux, dim=-1), final, "float8_e4m3", 3)
+    assert set(split) == set(expected)
+    for name in expected:
+        assert torch.equal(split[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+
+
+@pytest.mark.integration
 def test_sglang_0514_runner_captures_our_layers_without_a_draft(sglang_0514_src):
     set_eagle3 = pinned_function(sglang_0514_src, "sglang.srt.models.llama", "LlamaForCausalLM.set_eagle3_layers_to_capture",
                                  {"Optional": typing.Optional, "List": typing.List})

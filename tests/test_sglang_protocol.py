@@ -20,7 +20,7 @@ import torch
 
 from eaglenest.stages import extract, shard_driver
 from eaglenest.formats import shards
-from eaglenest.sglang import client as sglang_client
+from eaglenest.sglang import client as sglang_client, patch as sglang_patch
 from support import STANDIN_SERVER
 
 TARGET = "tiny-llama"
@@ -117,6 +117,45 @@ def test_standin_shard_equals_transformers_backend_bitwise(standin, prepared_sha
     for name in names:
         assert torch.equal(server_shard[name].view(torch.uint8), direct_shard[name].view(torch.uint8)), name
     assert list(spool.iterdir()) == []  # every spool file was consumed
+
+
+@pytest.mark.integration
+def test_rows_quantised_in_the_server_make_the_same_fp8_shard_as_the_client_does(standin, prepared_shard, tmp_path):
+    """A server started for an fp8 run (capture settings' storage_dtype) quantises the rows
+    before their copy to the host (patch.quantized_rows, the function SGLang 0.5.14's patch
+    calls on the GPU); the client splits them: the shard is the client-quantised one, byte
+    for byte. A bf16 run refuses such a server with the reason."""
+    _, url, spool = standin()
+    client_side = tmp_path / "client-quantised" / shards.shard_name(0)
+    sglang_client.extract_shard_via_server(prepared_shard, client_side, url, **client_kwargs(spool, dtype=shards.FP8_DTYPE))
+    _, url, spool = standin("--storage-dtype", "float8_e4m3")
+    assert sglang_client.identify_server(url)["storage_dtype"] == "float8_e4m3"
+    server_side = tmp_path / "server-quantised" / shards.shard_name(0)
+    sglang_client.extract_shard_via_server(prepared_shard, server_side, url, **client_kwargs(spool, dtype=shards.FP8_DTYPE))
+    expect = {"kind": "hidden", "dtype": shards.FP8_DTYPE}
+    client_tensors = shards.verify_shard(client_side, deep=True, expect=expect).tensors()
+    server_tensors = shards.verify_shard(server_side, deep=True, expect=expect).tensors()
+    assert set(server_tensors) == set(client_tensors)
+    for name in client_tensors:
+        assert torch.equal(server_tensors[name].view(torch.uint8), client_tensors[name].view(torch.uint8)), name
+    bf16 = tmp_path / "bf16" / shards.shard_name(0)
+    with pytest.raises(sglang_client.SglangServerError, match="quantised sample .* to fp8; this run stores bfloat16"):
+        sglang_client.extract_shard_via_server(prepared_shard, bf16, url, **client_kwargs(spool))
+    assert_no_shard_left(bf16.parent)
+
+
+def test_a_non_finite_row_quantised_in_the_server_stays_visible_to_the_client():
+    import math
+
+    rows = torch.randn(3, 4 * 8)
+    rows[1, 5] = math.nan
+    rows[2, 30] = math.inf
+    stored = sglang_patch.split_quantized_rows(sglang_patch.quantized_rows(rows, 8), hidden_size=8, num_aux_layers=3)
+    assert stored["aux_hidden"].shape == (3, 24) and stored["last_hidden_scale"].shape == (3, 1)
+    # An infinity shows in its row's scale, a NaN as a NaN byte; the other rows stay clean.
+    assert not torch.isfinite(stored["last_hidden_scale"][2]).all() and torch.isfinite(stored["aux_hidden_scale"]).all()
+    assert not shards.all_finite(stored["aux_hidden"][1:2]) and shards.all_finite(stored["aux_hidden"][0:1])
+    assert sglang_patch.FP8_STORAGE == shards.FP8_DTYPE
 
 
 @pytest.mark.integration

@@ -283,6 +283,8 @@ class _ShardRequests:
         finally:
             path.unlink(missing_ok=True)
         n = len(token_ids)
+        if "hidden" in tensors and tensors["hidden"].dtype == torch.uint8:  # quantised by the server
+            return index, *self._server_quantized(index, token_ids, tensors)
         if "hidden" in tensors:  # packed rows [aux..., last] (sglang 0.5.14)
             aux, last = tensors["hidden"][:, : -self.hidden_size], tensors["hidden"][:, -self.hidden_size :]
         else:
@@ -297,6 +299,28 @@ class _ShardRequests:
             raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
         stored = shard_driver.to_storage(aux.contiguous(), last.contiguous(), self.storage_dtype, self.num_aux_layers)
         return index, stored, metadata.get("finite") == "1"
+
+    def _server_quantized(self, index: int, token_ids: list[int], tensors: dict) -> tuple[dict, bool]:
+        """(the shard's fp8 tensors, finite) of rows the server quantised before their copy to
+        the host (eaglenest.sglang.patch.quantized_rows): split, not computed."""
+        packed, n = tensors["hidden"], len(token_ids)
+        groups = self.num_aux_layers + 1
+        width = groups * self.hidden_size + 4 * groups
+        if self.storage_dtype != shards.FP8_DTYPE:
+            raise SglangServerError(
+                f"{self.url} quantised sample {index} to fp8; this run stores {self.storage_dtype}. The server was "
+                "started for a run with extract.dtype float8_e4m3: restart it with this run's config."
+            )
+        if tuple(packed.shape) != (n, width):
+            raise SglangServerError(f"{self.url} returned fp8 rows {tuple(packed.shape)} for sample {index} of {n} tokens; "
+                                    f"expected ({n}, {width})")
+        if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
+            raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
+        stored = sglang_patch.split_quantized_rows(packed, self.hidden_size, self.num_aux_layers)
+        # An infinity makes its row's scale infinite, a NaN stays a NaN byte (quantize_rows).
+        finite = (all(bool(torch.isfinite(stored[name]).all()) for name in ("aux_hidden_scale", "last_hidden_scale"))
+                  and shards.all_finite(stored["aux_hidden"]) and shards.all_finite(stored["last_hidden"]))
+        return stored, finite
 
     def remove_leftovers(self) -> None:
         """Spool files of this shard that a late answer may still write after a failure."""

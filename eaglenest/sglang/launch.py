@@ -118,6 +118,8 @@ def capture_settings(config: dict, mode: str = "capture") -> dict:
         "sglang_layer_ids": layer_id_convention.hf_to_sglang(hf_ids, architecture),
         "tensor_parallel": target.get("tensor_parallel", 1),
         "writer_threads": settings["writer_threads"],
+        # fp8 runs get their rows quantised in the server, before the copy to the host
+        "storage_dtype": config["extract"].get("dtype", "bfloat16"),  # the schema's default
         "mode": mode,
     }
 

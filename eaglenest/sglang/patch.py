@@ -56,6 +56,9 @@ SGLANG_VERSION = "0.5.23"  # production pin (envs/sglang.yaml)
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23", "0.5.14")
 PATCH_VERSION = 2  # 2: spool files written off the scheduler thread, batched requests
 SERVER_KIND = "eaglenest-sglang-capture"
+# extract.dtype of a run whose rows the server quantises (eaglenest.formats.shards.FP8_DTYPE;
+# not imported: this module loads in SGLang's processes before torch is needed)
+FP8_STORAGE = "float8_e4m3"
 SETTINGS_ENV = "EAGLENEST_CAPTURE"
 SPOOL_KEY = "eaglenest_spool"
 INFO_ROUTE = "/eaglenest/info"
@@ -151,6 +154,38 @@ def _shape_and_dtype(tensor) -> dict:
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch.")}
 
 
+def quantized_rows(rows, hidden_size: int):
+    """Packed rows ``[aux..., last]`` [T, G*H] as the fp8 shard stores them, in one uint8
+    tensor [T, G*H + 4*G]: each layer's e4m3 row (``shards.quantize_rows``, one scale per row
+    and layer, as the client and the transformers backend quantise), then the G float32
+    scales. Computed where the rows are (on the GPU in the server), so the copy to the host
+    and the spool carry half the bytes and the client only splits them
+    (``split_quantized_rows``). An infinity makes its row's scale infinite; a NaN stays a
+    NaN byte (the client checks both)."""
+    import torch
+
+    from eaglenest.formats import shards
+
+    quantized, scale = shards.quantize_rows(rows, rows.shape[-1] // hidden_size)
+    return torch.cat([quantized.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def split_quantized_rows(packed, hidden_size: int, num_aux_layers: int) -> dict:
+    """The shard's fp8 tensors and scales from ``quantized_rows``'s uint8 rows."""
+    import torch
+
+    width = (num_aux_layers + 1) * hidden_size
+    quantized = packed[:, :width].view(torch.float8_e4m3fn)
+    scale = packed[:, width:].contiguous().view(torch.float32)
+    aux_width = num_aux_layers * hidden_size
+    return {
+        "aux_hidden": quantized[:, :aux_width].contiguous(),
+        "last_hidden": quantized[:, aux_width:].contiguous(),
+        "aux_hidden_scale": scale[:, :num_aux_layers].contiguous(),
+        "last_hidden_scale": scale[:, num_aux_layers:].contiguous(),
+    }
+
+
 def read_spooled(path: str | os.PathLike) -> dict:
     """The tensors of one spool file: input_ids, aux_hidden, last_hidden (a packed file split)."""
     tensors, _ = spool.read_spool_file(path)
@@ -206,6 +241,7 @@ def server_info(settings: dict, sglang_version: str) -> dict:
         "sglang_layer_ids": settings["sglang_layer_ids"],
         "tensor_parallel": settings.get("tensor_parallel", 1),
         "mode": settings.get("mode", "capture"),
+        "storage_dtype": settings.get("storage_dtype", "bfloat16"),
         "spool_dir": settings["spool_dir"],
         # Set per start by the launcher: which server answers on a port, not only what it serves.
         "launch_token": settings.get("launch_token"),
@@ -303,6 +339,7 @@ def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, i
             # A prefix-cache hit or a chunk computes fewer rows than the prompt has: pass
             # what was computed so that the descriptor says so instead of reading past it.
             rows = host["hidden_states"][hidden_state_offset : hidden_state_offset + req.extend_input_len]
+            # More than one layer's columns: [aux..., last] (bf16, or quantized_rows' uint8).
             packed = {"hidden": rows} if rows.shape[-1] > hidden else {"aux_hidden": None}
             _spool_descriptor(req, spool_dir, packed, writer, ready)
         return end
@@ -311,11 +348,15 @@ def make_append_prefill_hidden_states_0514(original: Callable, settings: dict, i
     return _append_prefill_hidden_states
 
 
-def make_hidden_states_to_store_0514(original: Callable):
+def make_hidden_states_to_store_0514(original: Callable, settings: dict | None = None):
     """sglang 0.5.14's LogitsProcessor._get_hidden_states_to_store, keeping the final state too.
 
     Under full capture with aux layers 0.5.14 stores only the packed aux states; this
-    appends the final post-norm hidden state as the last H columns."""
+    appends the final post-norm hidden state as the last H columns. A run that stores fp8
+    (``storage_dtype``) gets them quantised here, on the GPU, before SGLang copies the batch's
+    results to the host (``quantized_rows``)."""
+    settings = settings or {}
+    quantize = settings.get("storage_dtype") == FP8_STORAGE
 
     def _get_hidden_states_to_store(
         self, hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states,
@@ -329,7 +370,8 @@ def make_hidden_states_to_store_0514(original: Callable):
         if mode.need_capture() and mode.is_full() and aux_hidden_states is not None and hidden_states_before_norm is None:
             import torch
 
-            return torch.cat([stored, hidden_states], dim=-1)
+            rows = torch.cat([stored, hidden_states], dim=-1)
+            return quantized_rows(rows, settings["hidden_size"]) if quantize else rows
         return stored
 
     return _get_hidden_states_to_store
@@ -397,7 +439,7 @@ def apply(settings: dict, in_http_process: bool) -> None:
     if installed == "0.5.14":
         _replace(targets, "append_prefill", installed,
                  lambda f: make_append_prefill_hidden_states_0514(f, settings, is_output_rank, writer))
-        _replace(targets, "hidden_states_to_store", installed, make_hidden_states_to_store_0514)
+        _replace(targets, "hidden_states_to_store", installed, lambda f: make_hidden_states_to_store_0514(f, settings))
         _replace(targets, "init_capture", installed, lambda f: make_init_capture_0514(f, settings))
     else:
         _replace(targets, "append_prefill", installed,

@@ -7,6 +7,9 @@ safetensors reader opens it):
 - either ``aux_hidden`` ``[n, A*H]`` and ``last_hidden`` ``[n, H]`` (sglang 0.5.23, the
   stand-in), or ``hidden`` ``[n, (A+1)*H]``, the aux layers and then the final post-norm
   state packed per row as sglang 0.5.14's logits processor stores them (the client splits it);
+  for an fp8 run (0.5.14) ``hidden`` is uint8 ``[n, (A+1)*H + 4*(A+1)]``: each layer's e4m3
+  row, then its float32 scales, quantised by the server (``patch.quantized_rows``; ``finite``
+  then says nothing, the client checks the scales and the bytes);
 - metadata ``rid`` and ``finite`` (``"1"`` when every value is finite, checked by the server
   where the rows already are, so the client does not read them twice).
 
@@ -27,9 +30,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# The safetensors dtype names of what a server or the stand-in may spool.
+# The safetensors dtype names of what a server or the stand-in may spool (uint8: rows the
+# server quantised for an fp8 run, eaglenest.sglang.patch.quantized_rows).
 _DTYPE_NAMES = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32",
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32", "uint8": "U8",
 }
 _RID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ERROR_SUFFIX = ".error"

@@ -207,9 +207,14 @@ def make_handler(options, state: dict):
                 if options.drop_rows:  # a server that lost rows and spooled them anyway: the client must notice
                     aux, last = aux[: -options.drop_rows], last[: -options.drop_rows]
                     spooled_ids = input_ids[: len(aux)]
+                rows = {"aux_hidden": aux, "last_hidden": last}
+                if options.storage_dtype == sglang_patch.FP8_STORAGE:  # quantised in the server, as SGLang 0.5.14's patch does
+                    import torch
+
+                    rows = {"hidden": sglang_patch.quantized_rows(torch.cat([aux, last], dim=-1), last.shape[-1])}
                 # Written on background threads after the answer, as the patched server does.
                 meta[sglang_patch.SPOOL_KEY] = [sglang_patch.spool_prefill_rows(
-                    options.spool_dir, rid, spooled_ids, {"aux_hidden": aux, "last_hidden": last}, state["writer"]
+                    options.spool_dir, rid, spooled_ids, rows, state["writer"]
                 )]
             return {"text": "", "output_ids": [0], "meta_info": meta}
 
@@ -268,6 +273,7 @@ def serve(options) -> None:
                     "tokens": options.speculative_num_draft_tokens}
     state["model"] = StandinModel(str(options.model), options.target, options.layer_ids, options.spool_dir, options.mode,
                                   draft_model=options.speculative_draft_model_path, drafting=drafting)
+    state["model"].settings["storage_dtype"] = options.storage_dtype
     server = ThreadingHTTPServer((options.host, options.port), make_handler(options, state))
     server.daemon_threads = True
     port = server.server_address[1]
@@ -295,6 +301,8 @@ def parse_args(argv=None):
     parser.add_argument("--return-aux-hidden-state-layer-ids", nargs="*", type=int, default=None)
     parser.add_argument("--layer-ids", nargs="*", type=int, default=None, help="HF-convention aux layers (default [2, N//2, N-3])")
     parser.add_argument("--spool-dir", default=None, help="default: the launcher's capture settings, else /dev/shm/eaglenest_hs")
+    parser.add_argument("--storage-dtype", default=None,
+                        help="float8_e4m3: quantise the rows before spooling them (default: the launcher's capture settings)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --ready-file)")
     parser.add_argument("--ready-file", help="written (url, pid) once the server listens")
@@ -317,6 +325,7 @@ def parse_args(argv=None):
     launched_with = sglang_patch.settings_from_env() or {}
     options.layer_ids = options.layer_ids or launched_with.get("layer_ids") or None
     options.spool_dir = options.spool_dir or launched_with.get("spool_dir") or sglang_patch.DEFAULT_SPOOL_DIR
+    options.storage_dtype = options.storage_dtype or launched_with.get("storage_dtype") or "bfloat16"
     if options.enable_return_aux_hidden_states and options.speculative_draft_model_path is None:
         # Capture, not speculation; the layers asked for must be the run's, as SGLang numbers them.
         if launched_with and options.return_aux_hidden_state_layer_ids != launched_with["sglang_layer_ids"]:
