@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import REPO
 from eaglenest.target_model import layer_ids
 from eaglenest.sglang import launch as sglang_launch, patch as sglang_patch, spool
 
@@ -395,6 +396,20 @@ def test_every_launcher_flag_exists_in_sglang_0514_server_args(sglang_0514_src):
         assert f"    {flag[2:].replace('-', '_')}: A[" in server_args, flag
     assert "--speculative-algorithm" not in command  # EAGLE3 would want a draft model there
     assert "    return_aux_hidden_state_layer_ids: A[" not in server_args
+
+
+def test_the_regeneration_sweep_in_the_docs_names_flags_sglang_0514_has(sglang_0514_src):
+    """docs/regeneration.md's CEILING_SWEEP: every flag is a field of 0.5.14's ServerArgs (its
+    parser makes --a-b of field a_b), or a declared alias of one."""
+    import re
+
+    (line,) = [line for line in (REPO / "docs" / "regeneration.md").read_text().splitlines()
+               if line.startswith("    CEILING_SWEEP=")]
+    flags = set(re.findall(r"--[a-z0-9-]+", line))
+    assert {"--scheduler-recv-interval", "--enable-prefill-delayer", "--cuda-graph-max-bs-decode"} <= flags
+    server_args = (sglang_0514_src / "srt" / "server_args.py").read_text()
+    for flag in flags:
+        assert f"    {flag[2:].replace('-', '_')}: A[" in server_args, flag
 
 
 def pinned_0514(src, key, namespace=None):
