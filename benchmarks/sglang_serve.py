@@ -14,6 +14,10 @@ Every figure comes from the run's own files, nothing is measured here:
 - ``logs/<run>/sglang/evaluate/<setting>/launcher.log``: the flags the server was started with
   (CUDA graphs, attention backend); null for servers started by hand;
 - ``results/<replay run>/evaluate/<set>/<setting>/metrics.json``: the replay tau.
+
+``cycle`` (batch 1): a speculative cycle's cost in plain decoding steps, split by two chains of
+different depth into draft steps and the rest (verify, scheduler, sampling), and the speedup
+bound the rest puts on each setting (``cycle_costs``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -96,6 +101,50 @@ def collect(workdir: Path, run: str, eval_set: str, replay_run: str | None = Non
     }
 
 
+def setting_shape(name: str) -> dict | None:
+    """{steps, topk, tokens} of a setting's name (``steps3-topk1-tokens4``); None for plain."""
+    found = re.fullmatch(r"steps(\d+)-topk(\d+)-tokens(\d+)", name)
+    return dict(zip(("steps", "topk", "tokens"), map(int, found.groups()))) if found else None
+
+
+def cycle_costs(rows: list[dict], concurrency: int = 1) -> dict | None:
+    """What one speculative cycle costs against a plain decoding step, from the servers' own
+    tokens/s and accept lengths at ``concurrency``; the bound those costs put on the speedup.
+
+    A plain step costs 1 / (plain tokens/s per request); a cycle accept_length / (tokens/s per
+    request), everything the server does per cycle included (draft steps, verify, scheduler,
+    sampling, HTTP). Two chains (top-k 1) of different depth split a cycle into its draft steps
+    and the rest: cycle(s) = rest + s x draft_step, on the assumption that verifying 4 or 8
+    tokens of one request costs the same (a latency-bound forward pass). ``speedup_bound`` is
+    the speedup of each setting's accept length were its drafting free (cycle = rest)."""
+    at = [row for row in rows if row["concurrency"] == concurrency and row["tokens_per_s"]]
+    plain = next((row for row in at if row["drafting"] == PLAIN), None)
+    if plain is None:
+        return None
+    plain_step = concurrency / plain["tokens_per_s"]
+    settings = {}
+    for row in at:
+        shape = setting_shape(row["drafting"])
+        if shape is None or not row["accept_length"]:
+            continue
+        cycle = row["accept_length"] * concurrency / row["tokens_per_s"]
+        settings[row["drafting"]] = {**shape, "accept_length": row["accept_length"], "cycle_ms": round(cycle * 1e3, 3),
+                                     "cycle_in_plain_steps": round(cycle / plain_step, 3),
+                                     "speedup": round(plain_step * row["accept_length"] / cycle, 3)}
+    result = {"concurrency": concurrency, "plain_step_ms": round(plain_step * 1e3, 3), "settings": settings}
+    chains = sorted((v["steps"], v["cycle_ms"]) for v in settings.values() if v["topk"] == 1)
+    if len(chains) >= 2 and chains[-1][0] > chains[0][0]:
+        (s1, c1), (s2, c2) = chains[0], chains[-1]
+        draft_step = (c2 - c1) / (s2 - s1)
+        rest = c1 - s1 * draft_step
+        result["split"] = {"from_chains": [s1, s2], "draft_step_ms": round(draft_step, 3), "rest_of_cycle_ms": round(rest, 3),
+                           "rest_in_plain_steps": round(rest / result["plain_step_ms"], 3)}
+        if rest > 0:
+            for value in settings.values():
+                value["speedup_bound"] = round(result["plain_step_ms"] * value["accept_length"] / rest, 3)
+    return result
+
+
 def format_table(result: dict) -> str:
     header = ("drafting", "cuda graph", "attention", "in flight", "prompts", "tokens/s", "speedup", "accept length",
               "tau", "replay tau")
@@ -123,7 +172,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     options = parser.parse_args(argv)
     result = collect(options.workdir, options.run, options.eval_set, options.replay_run, options.gpu)
+    result["cycle"] = cycle_costs(result["serve"])
     print(format_table(result))
+    if result["cycle"]:
+        print(json.dumps(result["cycle"], indent=1))
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
         options.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -306,3 +306,25 @@ def test_spool_path_runs_the_client_against_an_instant_server_beside_the_disk(tm
     assert report["client"]["samples"] == 6 and report["client"]["requests"] == 2
     assert report["disk"]["tokens"] == report["client"]["tokens"] and report["ratio_to_disk"] > 0
     assert not list((tmp_path / "work" / "hidden").glob("*")), "the measured shard is removed"
+
+
+def test_a_speculative_cycle_is_split_into_draft_steps_and_the_rest_by_two_chains():
+    """benchmarks/sglang_serve.py cycle_costs: at batch 1, plain 700 tokens/s is a 1.43 ms step;
+    chains of 3 and 7 steps whose cycles cost 4 and 6 ms cost 0.5 ms a draft step and 2.5 ms
+    besides; a tree's accept length of 3.7 over those 2.5 ms bounds its speedup at 2.11x."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_serve
+
+    def row(drafting, tokens_per_s, accept_length=None, concurrency=1):
+        return {"drafting": drafting, "concurrency": concurrency, "tokens_per_s": tokens_per_s, "accept_length": accept_length}
+
+    rows = [row("plain", 700.0), row("steps3-topk1-tokens4", 2.2 / 0.004, 2.2), row("steps7-topk1-tokens8", 2.5 / 0.006, 2.5),
+            row("steps6-topk10-tokens60", 3.7 / 0.0055, 3.7), row("plain", 5000.0, concurrency=8)]
+    cycle = sglang_serve.cycle_costs(rows)
+    assert cycle["plain_step_ms"] == round(1000 / 700, 3)
+    chain = cycle["settings"]["steps3-topk1-tokens4"]
+    assert chain["cycle_ms"] == 4.0 and chain["speedup"] == round(2.2 * (1000 / 700) / 4.0, 3)
+    assert cycle["split"] == {"from_chains": [3, 7], "draft_step_ms": 0.5, "rest_of_cycle_ms": 2.5,
+                              "rest_in_plain_steps": round(2.5 / cycle["plain_step_ms"], 3)}
+    assert cycle["settings"]["steps6-topk10-tokens60"]["speedup_bound"] == round(cycle["plain_step_ms"] * 3.7 / 2.5, 3)
+    assert sglang_serve.cycle_costs([row("steps3-topk1-tokens4", 500.0, 2.0)]) is None  # no plain server

@@ -164,6 +164,8 @@ def test_the_servers_accept_length_is_the_replay_tau_on_the_same_prompts(evaluat
         # The stand-in is started with the launcher's default flags: CUDA graphs on.
         assert row["cuda_graph"] is True and row["attention_backend"]
     assert rows["plain", 2]["accept_length"] is None and rows["plain", 2]["tokens_per_s"] > 0
+    # Each setting's cycle in plain steps at batch 1 (benchmarks/sglang_serve.py cycle_costs).
+    assert sorted(table["cycle"]["settings"]) == sorted(SETTINGS) and table["cycle"]["plain_step_ms"] > 0
     assert result.stdout.splitlines()[0].startswith("drafting\tcuda graph\tattention")
 
 
