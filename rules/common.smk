@@ -79,7 +79,9 @@ def regeneration_targets():
 
 def draft_vocab_source():
     """The file an earlier run's draft vocabulary is read from (consolidate.draft_vocab_from),
-    as an input, so that a changed one makes consolidate run again; or none."""
+    as an input, so that a changed one makes consolidate run again (a param would rerun every
+    consolidate made before the option existed); or none. The job reads it from there.
+    """
     source = config["consolidate"]["draft_vocab_from"]
     if not source:
         return []

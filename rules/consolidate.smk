@@ -31,9 +31,6 @@ rule consolidate:
         draft_vocab_size=config["consolidate"]["draft_vocab_size"],
         val_fraction=config["consolidate"]["val_fraction"],
         seed=config["consolidate"]["seed"],
-        # the input above reruns consolidate when it changes; a param would rerun every
-        # consolidate made before the option existed
-        draft_vocab_from=untracked_param(config["consolidate"]["draft_vocab_from"]),
     script:
         "../scripts/consolidate.py"
 

@@ -21,6 +21,7 @@ index = consolidate.consolidate(
     val_fraction=snakemake.params.val_fraction,
     seed=snakemake.params.seed,
     threads=snakemake.threads,
-    draft_vocab_from=snakemake.params.draft_vocab_from,
+    # the file rules/common.smk found (draft_vocab_source), or none
+    draft_vocab_from=next(iter(snakemake.input.draft_vocab_from), None),
 )
 logging.info("consolidated: %s", index["totals"])

@@ -295,10 +295,13 @@ class _ShardRequests:
                 f"{self.url} returned {shapes} for sample {index} of {n} tokens; expected aux ({n}, {self.widths[0]}) "
                 f"and last ({n}, {self.widths[1]})"
             )
-        if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
-            raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
+        self._check_token_ids(index, token_ids, tensors)
         stored = shard_driver.to_storage(aux.contiguous(), last.contiguous(), self.storage_dtype, self.num_aux_layers)
         return index, stored, metadata.get("finite") == "1"
+
+    def _check_token_ids(self, index: int, token_ids: list[int], tensors: dict) -> None:
+        if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
+            raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
 
     def _server_quantized(self, index: int, token_ids: list[int], tensors: dict) -> tuple[dict, bool]:
         """(the shard's fp8 tensors, finite) of rows the server quantised before their copy to
@@ -314,8 +317,7 @@ class _ShardRequests:
         if tuple(packed.shape) != (n, width):
             raise SglangServerError(f"{self.url} returned fp8 rows {tuple(packed.shape)} for sample {index} of {n} tokens; "
                                     f"expected ({n}, {width})")
-        if not torch.equal(tensors["input_ids"], torch.tensor(token_ids, dtype=torch.int64)):
-            raise SglangServerError(f"{self.url} computed sample {index} on other token ids than were sent")
+        self._check_token_ids(index, token_ids, tensors)
         stored = sglang_patch.split_quantized_rows(packed, self.hidden_size, self.num_aux_layers)
         # An infinity makes its row's scale infinite, a NaN stays a NaN byte (quantize_rows).
         finite = (all(bool(torch.isfinite(stored[name]).all()) for name in ("aux_hidden_scale", "last_hidden_scale"))

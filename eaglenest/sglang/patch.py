@@ -113,8 +113,6 @@ def spool_prefill_rows(spool_dir, rid: str, prompt_ids, rows: dict, writer: spoo
     """
     import torch
 
-    from eaglenest.formats import shards
-
     descriptor = {"rid": rid, "patch_version": PATCH_VERSION}
     prompt_len = len(prompt_ids)
     missing = [name for name, tensor in rows.items() if tensor is None]
@@ -136,10 +134,7 @@ def spool_prefill_rows(spool_dir, rid: str, prompt_ids, rows: dict, writer: spoo
     tensors = {"input_ids": torch.as_tensor(list(prompt_ids), dtype=torch.int64), **rows}
     metadata = {"rid": rid}
     if writer is None:
-        if ready is not None:
-            ready.synchronize()
-        metadata["finite"] = "1" if all(shards.all_finite(t.detach().to("cpu")) for t in rows.values()) else "0"
-        spool.write_spool_file(path, {name: t.detach().to("cpu") for name, t in tensors.items()}, metadata)
+        spool.write_request(path, tensors, metadata, ready)
     else:
         writer.submit(path, tensors, metadata, ready)
     descriptor.update(

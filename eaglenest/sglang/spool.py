@@ -8,10 +8,10 @@ safetensors reader opens it):
   stand-in), or ``hidden`` ``[n, (A+1)*H]``, the aux layers and then the final post-norm
   state packed per row as sglang 0.5.14's logits processor stores them (the client splits it);
   for an fp8 run (0.5.14) ``hidden`` is uint8 ``[n, (A+1)*H + 4*(A+1)]``: each layer's e4m3
-  row, then its float32 scales, quantised by the server (``patch.quantized_rows``; ``finite``
-  then says nothing, the client checks the scales and the bytes);
+  row, then its float32 scales, quantised by the server (``patch.quantized_rows``; no
+  ``finite`` then: the client checks the scales and the bytes);
 - metadata ``rid`` and ``finite`` (``"1"`` when every value is finite, checked by the server
-  where the rows already are, so the client does not read them twice).
+  where the rows already are, so the client does not read them twice; :func:`write_request`).
 
 A file appears whole or not at all (temp name, then rename). A request whose rows could not
 be written leaves ``<rid>.error`` (the reason, as text) instead, so that its client fails
@@ -59,6 +59,23 @@ def _raw_bytes(tensor):
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def write_request(path: str | os.PathLike, tensors: dict, metadata: dict, ready=None) -> None:
+    """One request's spool file, once ``ready`` (the device-to-host copy's event) has fired:
+    its rows on the host, ``finite`` ("1" or "0") checked where they are, except for rows the
+    server quantised (uint8), whose client checks the scales and bytes."""
+    import torch
+
+    from eaglenest.formats import shards
+
+    if ready is not None:
+        ready.synchronize()
+    tensors = {name: tensor.detach().to("cpu") for name, tensor in tensors.items()}
+    rows = [tensor for name, tensor in tensors.items() if name != "input_ids"]
+    if not any(row.dtype == torch.uint8 for row in rows):
+        metadata = {**metadata, "finite": "1" if all(shards.all_finite(row) for row in rows) else "0"}
+    write_spool_file(path, tensors, metadata)
 
 
 def write_spool_file(path: str | os.PathLike, tensors: dict, metadata: dict) -> None:
@@ -143,14 +160,8 @@ class SpoolWriter:
         return self.pool.submit(self._write, Path(path), tensors, dict(metadata), ready)
 
     def _write(self, path: Path, tensors: dict, metadata: dict, ready) -> None:
-        from eaglenest.formats import shards
-
         try:
-            if ready is not None:
-                ready.synchronize()
-            rows = [tensor for name, tensor in tensors.items() if name != "input_ids"]
-            metadata["finite"] = "1" if all(shards.all_finite(t) for t in rows) else "0"
-            write_spool_file(path, tensors, metadata)
+            write_request(path, tensors, metadata, ready)
         except BaseException as exc:  # the client must learn it, not wait for a file
             try:
                 error_path(path).write_text(f"{type(exc).__name__}: {exc}")
