@@ -20,7 +20,8 @@
 # config/h200/regenerated-sampled-server.yaml (all of ShareGPT, sampled, loop-stopped); the
 # checkout needs what they read (the GGUF in resources/wheels/, results/<run>/data/).
 # DRY_RUN=1 prints the ceiling server's command and the jobs the workflow plans, starting nothing.
-# Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (256),
+# Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (the
+# requests the workflow keeps in flight: regenerate.concurrency x the number of shards),
 # CEILING_SWEEP (flag sets separated by ";", each measured by a plain server of its own on top
 # of the config's flags; FLAGS@N measures that set at N requests in flight; the fastest of them
 # and the config's own becomes the ceiling, and the regeneration server runs with its flags, and
@@ -59,7 +60,7 @@ eval "$("$PY" - "${CONFIGS[@]}" <<'PYTHON'
 import os, shlex, sys
 from pathlib import Path
 
-from eaglenest import layout
+from eaglenest import layout, plan
 from eaglenest.node.recon.config import load_config
 from eaglenest.sglang import launch
 
@@ -69,6 +70,8 @@ command = launch.launch_command(config, {"mode": "serve", "tensor_parallel": con
 print(f"RUN={shlex.quote(config['run'])} MODEL={shlex.quote(str(config['target']['path']))}")
 run_layout = layout.RunLayout(config)
 print(f"RECORD={shlex.quote(run_layout.regenerate_server_record())}")
+# What the workflow keeps in flight: each shard job's share, all shard jobs side by side.
+print(f"CONFIG_IN_FLIGHT={config['regenerate']['concurrency'] * plan.num_shards(config)}")
 shards = os.environ.get("SHARDS", "").split()  # a subset: those shards only (a rerun makes the rest)
 targets = [run_layout.regenerated_path(f"shard-{int(shard):05d}.jsonl") for shard in shards]
 print("TARGETS=(" + " ".join(shlex.quote(t) for t in targets) + ")")
@@ -81,7 +84,7 @@ if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command a
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
     IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
     for entry in "${SWEEP[@]}"; do
-        in_flight="${CEILING_CONCURRENCY:-256}"
+        in_flight="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
         [[ "$entry" == *@* ]] && in_flight="${entry##*@}" && entry="${entry%@*}"
         echo "ceiling server: ${PLAIN[*]} $entry" | tee -a "$OUT/steps.log"
         echo "ceiling requests in flight: $in_flight" | tee -a "$OUT/steps.log"
@@ -94,7 +97,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee
 snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
 log "target converted rc=$?"
 
-IN_FLIGHT="${CEILING_CONCURRENCY:-256}"
+IN_FLIGHT="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
 measure_ceiling() {  # label, requests in flight, extra flags...
     local label="$1" in_flight="$2"; shift 2

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO
 from eaglenest.target_model import layer_ids
@@ -398,15 +399,20 @@ def test_every_launcher_flag_exists_in_sglang_0514_server_args(sglang_0514_src):
     assert "    return_aux_hidden_state_layer_ids: A[" not in server_args
 
 
-def test_the_regeneration_sweep_in_the_docs_names_flags_sglang_0514_has(sglang_0514_src):
-    """docs/regeneration.md's CEILING_SWEEP: every flag is a field of 0.5.14's ServerArgs (its
-    parser makes --a-b of field a_b), or a declared alias of one."""
+def test_the_regeneration_sweep_and_server_flags_name_flags_sglang_0514_has(sglang_0514_src):
+    """docs/regeneration.md's CEILING_SWEEP and the regeneration server's flags in
+    config/h200/regenerated-sampled-server.yaml: every flag is a field of 0.5.14's ServerArgs
+    (its parser makes --a-b of field a_b)."""
     import re
 
     (line,) = [line for line in (REPO / "docs" / "regeneration.md").read_text().splitlines()
                if line.startswith("    CEILING_SWEEP=")]
     flags = set(re.findall(r"--[a-z0-9-]+", line))
-    assert {"--scheduler-recv-interval", "--enable-prefill-delayer", "--cuda-graph-max-bs-decode"} <= flags
+    assert {"--scheduler-recv-interval", "--cuda-graph-max-bs-decode"} <= flags
+    overlay = yaml.safe_load((REPO / "config" / "h200" / "regenerated-sampled-server.yaml").read_text())
+    server_flags = {arg for arg in overlay["extract"]["sglang"]["extra_args"] if arg.startswith("--")}
+    assert {"--scheduler-recv-interval", "--cuda-graph-max-bs-decode"} <= server_flags
+    flags |= server_flags
     server_args = (sglang_0514_src / "srt" / "server_args.py").read_text()
     for flag in flags:
         assert f"    {flag[2:].replace('-', '_')}: A[" in server_args, flag

@@ -420,8 +420,10 @@ def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_
     # One plain server per CEILING_SWEEP entry, each with the config's flags and its own.
     assert [line.removeprefix(server).split() for line in sweep] == [
         ["--scheduler-recv-interval", "16"], ["--enable-prefill-delayer", "--cuda-graph-max-bs-decode", "512"]]
+    # By default the ceiling keeps as many requests in flight as the workflow: 32 per shard job
+    # (regenerate.concurrency's default), both shard jobs side by side.
     in_flight = [line.split()[-1] for line in steps.splitlines() if line.startswith("ceiling requests in flight: ")]
-    assert in_flight == ["256", "512"]
+    assert in_flight == ["64", "512"]
     command = server.split()[2:]
     assert command[0] == "sglang-server" and "--port" in command and command[command.index("--port") + 1] == "30030"
     assert command[command.index("--served-model-name") + 1] == "tiny-llama"
