@@ -491,6 +491,33 @@ def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     assert overlay["extract"]["sglang"]["extra_args"] == ["--cuda-graph-max-bs-decode", "512"]
 
 
+def test_the_loop_stop_cost_benchmark_times_checks_that_find_the_loops_the_cut_finds(tmp_path):
+    """benchmarks/loop_stop_cost.py: the pre-checked token check agrees with loop_cut at every
+    output length, the text regex sees a looped answer and no plain one, and the step time and
+    cut share come from the results file's measured runs."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import loop_stop_cost
+
+    rng = random.Random(0)
+    plain = [rng.randrange(1000) for _ in range(200)]
+    looped = plain[:50] + [7, 8, 9, 10, 11, 12, 13] * 4 + plain[50:80]
+    for ids in (plain, looped):
+        for n in range(1, len(ids) + 1):
+            assert loop_stop_cost.prechecked_loop_cut(ids[:n]) == regenerate.loop_cut(ids[:n], 3), n
+    assert regenerate.first_loop_cut(looped, 3) == 50 + 7
+    assert loop_stop_cost.LOOP_REGEX.search("An answer. " + "It repeats itself here. " * 3)
+    assert not loop_stop_cost.LOOP_REGEX.search("An answer that says one thing and then another.")
+    results = {"regenerate": {"new_tokens": 830, "generated_tokens": 1000, "ceiling_tokens_per_s": 20000.0},
+               "regenerate_ceiling_sweep": {"sweep": [{"concurrency": 256, "tokens_per_s": 20000.0},
+                                                      {"concurrency": 512, "tokens_per_s": 40000.0}]}}
+    (tmp_path / "engine.json").write_text(json.dumps(results))
+    engine = loop_stop_cost.engine_figures(tmp_path / "engine.json")
+    assert engine["in_flight"] == 512 and engine["step_ms"] == 12.8 and engine["cut_share"] == 0.17
+
+
 def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_shard_and_split(tmp_path, tiny_llama):
     """regenerate.mix_original: prepare keeps both versions of each conversation, the
     original as <id>@original, in the shard its id picks; consolidate puts both versions on

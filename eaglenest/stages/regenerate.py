@@ -110,7 +110,7 @@ LOOP_MAX_PERIOD = 64
 LOOP_MIN_TOKENS = 16
 
 
-def _loop_periods(length: int, repeats: int):
+def loop_periods(length: int, repeats: int):
     """The span lengths a loop can have at the end of ``length`` tokens: 1..LOOP_MAX_PERIOD,
     with ``repeats`` copies fitting in ``length`` and covering LOOP_MIN_TOKENS or more."""
     for period in range(max(1, -(-LOOP_MIN_TOKENS // repeats)), LOOP_MAX_PERIOD + 1):
@@ -122,7 +122,7 @@ def _loop_periods(length: int, repeats: int):
 def loop_cut(tokens: list[int], repeats: int, end: int | None = None) -> int | None:
     """The length that keeps the first copy when ``tokens[:end]`` end in a loop, else None."""
     n = len(tokens) if end is None else end
-    for period in _loop_periods(n, repeats):
+    for period in loop_periods(n, repeats):
         last = tokens[n - period:n]
         if all(tokens[n - (r + 1) * period: n - r * period] == last for r in range(1, repeats)):
             return n - (repeats - 1) * period
@@ -156,7 +156,7 @@ def loop_stopping_criteria(prompt_width: int, repeats: int):
             new = input_ids[:, prompt_width:]
             rows, n = new.shape
             done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-            for period in _loop_periods(n, repeats):
+            for period in loop_periods(n, repeats):
                 copies = new[:, n - period * repeats:].reshape(rows, repeats, period)
                 done |= (copies == copies[:, -1:, :]).all(dim=2).all(dim=1)
             return done
