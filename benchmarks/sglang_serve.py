@@ -98,6 +98,8 @@ def collect(workdir: Path, run: str, eval_set: str, replay_run: str | None = Non
         "gpu": gpu or gpu_name(), "sglang": parts[PLAIN]["server"].get("sglang_version"),
         "drafter": drafter_identity(drafter) if drafter else None, "run": run, "replay_run": replay_run,
         "eval_set": eval_set, "serve": rows,
+        # SGLang's own profile of each server's decoding steps at batch 1 (evaluate.sglang.profile_steps)
+        "profile": {name: part["profile"] for name, part in parts.items() if part.get("profile")},
     }
 
 
@@ -162,6 +164,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_profile(profiles: dict) -> str:
+    """Per server, milliseconds per step (a speculative cycle, or a plain decode step) by stage."""
+    lines = ["server\tsteps\twall ms\tGPU busy ms\tCPU ms by span\tGPU ms by span"]
+    for name, profile in profiles.items():
+        if "error" in profile:
+            lines.append(f"{name}\t{profile['error']}")
+            continue
+        cpu = ", ".join(f"{span} {ms:.3f}" for span, ms in profile["cpu_ms_per_step"].items() if ms)
+        gpu = ", ".join(f"{span} {ms:.3f}" for span, ms in profile["gpu_ms_per_step"].items())
+        lines.append(f"{name}\t{profile['steps']}\t{profile['wall_ms_per_step']:.3f}\t"
+                     f"{profile['gpu_busy_ms_per_step']:.3f}\t{cpu}\t{gpu}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("."), help="the workflow's directory")
@@ -176,6 +192,8 @@ def main(argv=None) -> int:
     print(format_table(result))
     if result["cycle"]:
         print(json.dumps(result["cycle"], indent=1))
+    if result["profile"]:
+        print(format_profile(result["profile"]))
     if options.out:
         options.out.parent.mkdir(parents=True, exist_ok=True)
         options.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,7 +10,8 @@
 #   bash benchmarks/sglang_serve.sh OUTDIR
 #
 # Knobs (environment): NUM_PROMPTS (80: all first turns), MAX_NEW_TOKENS (128), CONCURRENCY
-# ("1 8 32"), DRAFTING (JSON list, default chain 3/1/4, chain 7/1/8, tree 6/10/60),
+# ("1 8 32"), PROFILE_STEPS (32: SGLang's own profile of that many decoding steps of one prompt
+# per server, broken down by stage; 0 = none), DRAFTING (JSON list, default chain 3/1/4, chain 7/1/8, tree 6/10/60),
 # SERVER_ARGS (flags for every server, default "--dtype bfloat16 --mem-fraction-static 0.4";
 # SGLang's defaults otherwise: CUDA graphs on), DEVICE (the replay's, default cuda), SITE
 # (where the wheels are installed, default /tmp/site), WORK (the workflow's directory).
@@ -61,7 +62,8 @@ drafting = json.loads(os.environ.get("DRAFTING", '[{"steps": 3, "topk": 1, "toke
 config["evaluate"].update(
     drafter=str(Path(os.environ["DRAFTER"]).resolve()), sets=["mt_bench"], num_prompts=int(os.environ.get("NUM_PROMPTS", 80)),
     max_new_tokens=int(os.environ.get("MAX_NEW_TOKENS", 128)), temperature=0, drafting=drafting, backend="sglang",
-    sglang={"concurrency": [int(c) for c in os.environ.get("CONCURRENCY", "1 8 32").split()]},
+    sglang={"concurrency": [int(c) for c in os.environ.get("CONCURRENCY", "1 8 32").split()],
+            "profile_steps": int(os.environ.get("PROFILE_STEPS", 32))},
 )
 (work / "serve.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 config["run"] = "serve-replay"

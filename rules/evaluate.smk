@@ -180,6 +180,7 @@ rule evaluate_sglang:
         num_prompts=eval_set_num_prompts,
         max_new_tokens=config["evaluate"]["max_new_tokens"],
         concurrency=config["evaluate"]["sglang"]["concurrency"],
+        profile_steps=config["evaluate"]["sglang"]["profile_steps"],
         url=evaluation_server_url,
     script:
         "../scripts/evaluate_sglang.py"

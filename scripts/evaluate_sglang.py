@@ -19,4 +19,5 @@ evaluate_server.evaluate_on_server(
     url=snakemake.params.url,
     startup_timeout_s=snakemake.config["extract"]["sglang"]["startup_timeout_s"],
     timeout_s=snakemake.config["evaluate"]["sglang"]["timeout_s"],
+    profile_steps=snakemake.params.profile_steps,
 )

@@ -57,7 +57,7 @@ def server_run(workdir: Path, target: Path, spool: Path, **evaluate) -> Path:
     settings = {
         "drafter": str(sglang_export(workdir, target)), "sets": ["mt_bench"], "num_prompts": 3, "max_new_tokens": 12,
         "temperature": 0, "drafting": [{"steps": 2, "topk": 1, "tokens": 3}, {"steps": 3, "topk": 1, "tokens": 4}],
-        "backend": "sglang", "sglang": {"concurrency": [1, 2]},
+        "backend": "sglang", "sglang": {"concurrency": [1, 2], "profile_steps": 4},
     }
     # spool_dir is unique to the test: it marks the test's server processes.
     return tiny_workflow_config(workdir, target, conversations, evaluate={**settings, **evaluate},
@@ -95,6 +95,11 @@ def test_each_setting_is_served_by_its_own_speculating_server_and_summarized(eva
         assert launcher_log.count("ready: ") == 1 and "stopped: " in launcher_log
     assert "--speculative" not in (logs / "plain" / "launcher.log").read_text()
     assert_no_server_left(spool, list(servers.values()))
+    # The stand-in has no /start_profile: each part says so, and its measurements stand.
+    for name in ("plain", *SETTINGS):
+        part = json.loads((results / "mt_bench" / name / "server.json").read_text())
+        assert part["profile"]["error"].startswith("RuntimeError: ") and "start_profile" in part["profile"]["error"]
+        assert len(part["runs"]) == 2
 
     for name in SETTINGS:
         metrics = json.loads((results / "mt_bench" / name / "metrics.json").read_text())

@@ -133,6 +133,7 @@ def evaluate_on_server(
     url: str | None = None,
     startup_timeout_s: float = 3600,
     timeout_s: float = 3600,
+    profile_steps: int = 0,
 ) -> dict:
     """One eval set through one server (``setting``: a drafting name, or ``plain``): its part file."""
     from transformers import AutoTokenizer
@@ -166,8 +167,25 @@ def evaluate_on_server(
         "max_new_tokens": max_new_tokens, "temperature": 0, "target": target_name,
         "drafter": drafter if drafting is not None else "", "url": url, "server": info, "runs": runs,
     }
+    if profile_steps:
+        part["profile"] = server_profile(url, profile_steps, Path(part_path).with_name(Path(part_path).stem + "-profile"),
+                                         prompt_tokens[0], timeout_s)
     atomic.write_json(part_path, part)
     return part
+
+
+def server_profile(url: str, steps: int, trace_dir: Path, prompt_ids: list[int], timeout_s: float) -> dict:
+    """SGLang's own profile of ``steps`` decoding steps of one prompt alone, broken down per
+    step (eaglenest.sglang.profile). A server that cannot profile costs the measurement
+    nothing: the reason is kept instead."""
+    from eaglenest.sglang import profile
+
+    try:
+        trace = profile.profile_steps(url, steps, trace_dir, prompt_ids, timeout_s)
+        return {"trace": str(trace), **profile.cycle_breakdown(profile.read_trace(trace))}
+    except (OSError, RuntimeError, ValueError, KeyError) as err:
+        log.warning("no profile from %s: %s", url, err)
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def _per_prompt(spec: dict, plain: dict, drafting: dict) -> dict:

@@ -1,0 +1,95 @@
+"""eaglenest.sglang.profile: the per-step breakdown of a torch profiler trace with SGLang's span
+names (a real trace of this process, exported as SGLang's profiler exports it)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from eaglenest.sglang import profile as sglang_profile
+
+
+def busy(ms: float) -> None:
+    """CPU work of about ``ms`` milliseconds (torch ops, so the trace holds them too)."""
+    x = torch.ones(64, 64)
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        x = x @ x / 64
+
+
+def scheduler_steps(steps: int, drafting: bool) -> None:
+    """Spans named as SGLang 0.5.14's scheduler and EAGLE worker name theirs, the first step a
+    prefill without drafting."""
+    for step in range(steps):
+        with record_function("scheduler.get_next_batch_to_run"):
+            busy(0.5)
+        with record_function("scheduler.run_batch"):
+            if drafting and step:
+                with record_function("draft"):
+                    busy(3)
+            busy(2)  # verify (or the plain forward)
+            if drafting and step:
+                with record_function("draft_extend"):
+                    busy(1)
+        with record_function("scheduler.process_batch_result"):
+            busy(0.5)
+
+
+def traced(tmp_path, steps: int, drafting: bool):
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        scheduler_steps(steps, drafting)
+    path = tmp_path / "trace.json"
+    profiler.export_chrome_trace(str(path))
+    gzipped = tmp_path / "0-TP-0.trace.json.gz"  # SGLang's name and compression
+    gzipped.write_bytes(gzip.compress(path.read_bytes()))
+    return gzipped
+
+
+def test_a_speculative_servers_steps_are_split_into_draft_verify_and_scheduler(tmp_path):
+    events = sglang_profile.read_trace(traced(tmp_path, 9, drafting=True))
+    breakdown = sglang_profile.cycle_breakdown(events)
+    assert breakdown["steps"] == 8 and breakdown["skipped_steps"] == 1  # the prefill is left out
+    cpu = breakdown["cpu_ms_per_step"]
+    assert 2.5 < cpu["draft"] < 6 and 0.8 < cpu["draft_extend"] < 3 and 1.5 < cpu["verify"] < 4, cpu
+    assert cpu["verify"] == pytest.approx(cpu["scheduler.run_batch"] - cpu["draft"] - cpu["draft_extend"], abs=1e-3)
+    assert 0.4 < cpu["scheduler.process_batch_result"] < 2
+    assert breakdown["wall_ms_per_step"] >= sum(v for k, v in cpu.items() if k != "verify" and k not in ("draft", "draft_extend"))
+    assert breakdown["gpu_busy_ms_per_step"] == 0  # a CPU-only trace launches no kernels
+
+
+def test_kernels_count_for_the_span_that_launched_them(tmp_path):
+    """GPU kernels match their launching CUDA runtime call by correlation id, and that call's
+    innermost span names the stage; kernels launched during the skipped prefill are left out."""
+    events = sglang_profile.read_trace(traced(tmp_path, 3, drafting=True))
+    spans = {name: [e for e in events if e.get("cat") == "user_annotation" and e["name"] == name]
+             for name in ("draft", "scheduler.run_batch", "scheduler.process_batch_result")}
+    launches = [("draft", spans["draft"][0], 0.25), ("draft", spans["draft"][1], 0.25),
+                ("verify", spans["scheduler.run_batch"][1], 1.0), ("verify", spans["scheduler.run_batch"][2], 1.0),
+                ("prefill", spans["scheduler.run_batch"][0], 7.0)]
+    pid, tid = spans["draft"][0]["pid"], spans["draft"][0]["tid"]
+    for correlation, (_, span, kernel_ms) in enumerate(launches, start=1):
+        at = span["ts"] + span["dur"] - 1 if span["name"] == "scheduler.run_batch" else span["ts"] + 1
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": pid, "tid": tid, "ts": at,
+                       "dur": 1, "args": {"correlation": correlation}})
+        events.append({"ph": "X", "cat": "kernel", "name": "kernel", "pid": 0, "tid": 7, "ts": at + 5,
+                       "dur": kernel_ms * 1e3, "args": {"correlation": correlation}})
+    breakdown = sglang_profile.cycle_breakdown(events)
+    assert breakdown["steps"] == 2
+    assert breakdown["gpu_ms_per_step"] == {"draft": 0.25, "verify": 1.0}
+    assert breakdown["gpu_busy_ms_per_step"] == 1.25
+
+
+def test_a_plain_servers_steps_have_no_draft_stages_and_a_foreign_trace_is_refused(tmp_path):
+    breakdown = sglang_profile.cycle_breakdown(sglang_profile.read_trace(traced(tmp_path, 5, drafting=False)))
+    assert breakdown["steps"] == 4 and "verify" not in breakdown["cpu_ms_per_step"]
+    assert breakdown["cpu_ms_per_step"]["draft"] == 0
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        busy(1)
+    profiler.export_chrome_trace(str(tmp_path / "other.json"))
+    with pytest.raises(ValueError, match="scheduler.run_batch"):
+        sglang_profile.cycle_breakdown(json.loads((tmp_path / "other.json").read_text())["traceEvents"])
