@@ -3,6 +3,13 @@
     python benchmarks/validate_drafter.py --run results/h200-smollm2 --drafter <dir> \\
         --target resources/models/SmolLM2-135M-Instruct --config config/h200-smollm2.yaml ... --out v.json
 
+``--samples original`` / ``others`` scores a part of the split: in a regenerate.mix_original
+run it holds both versions of each held-out conversation (the original answers as
+``<id>@original``), and the split is drawn by conversation with consolidate.seed, so every run
+with the same seed, val_fraction and conversations held out the same ones: any of their
+drafters can be scored on held-out ShareGPT (original) and on the target's held-out answers
+(others) of the mixed run.
+
 The settings (ttt_length, token_budget, rows_per_step, device) are the train section of the
 config as the workflow builds it (config/config.yaml, then each --config, schema defaults:
 eaglenest.node.recon.config.load_config), so the split is read in the same steps as the training
@@ -23,13 +30,16 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--target", required=True)
     parser.add_argument("--config", action="append", default=[], help="repeatable: the run's --configfile files, in order")
+    parser.add_argument("--samples", choices=sorted(train.SAMPLE_FILTERS), default="all",
+                        help="original: only the <id>@original samples of a regenerate.mix_original run (held-out "
+                             "ShareGPT); others: every other sample (the target's held-out answers)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     settings = load_config(".", args.config)["train"]
     consolidated = args.run / "consolidated"
     result = train.validate_drafter(args.drafter, consolidated / "index.json", consolidated / "draft_vocab.safetensors",
-                                    consolidated / "split.json", args.target, settings)
-    result = {"drafter": args.drafter, "configs": args.config, **result}
+                                    consolidated / "split.json", args.target, settings, samples=args.samples)
+    result = {"drafter": args.drafter, "configs": args.config, "samples": args.samples, **result}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({"acc": [round(a, 4) for a in result["acc"]]}))
     return 0

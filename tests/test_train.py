@@ -101,6 +101,14 @@ def test_epoch_packs_every_train_sample_once_within_the_token_budget(tiny_run):
     assert all(len(step) <= 2 for step in steps)
 
 
+def test_a_sample_filter_opens_that_part_of_a_split_in_index_order(tiny_run):
+    everything = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
+    firsts = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT,
+                                keep=lambda sample_id: sample_id.endswith(":0"))
+    assert [ref.sample_id for ref in firsts.samples] == [
+        ref.sample_id for ref in everything.samples if ref.sample_id.endswith(":0")] != []
+
+
 def test_shuffle_is_a_function_of_seed_and_epoch(tiny_run):
     dataset = batches.open_split(tiny_run["index_path"], tiny_run["split_path"], "train", EXPECT)
     order = lambda seed, epoch: batches.epoch_steps(dataset, 64, 2, seed, epoch)  # noqa: E731
@@ -459,6 +467,14 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
                                   str(tmp_path / "drafter"), "--target", tiny_run["target_path"],
                                   "--config", str(config), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["acc"] == summary["final_val_acc"]
+    # A part of the split: this run keeps no original answers beside the target's, so "others"
+    # is all of it and "original" is refused with the reason.
+    others = train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
+                                    expect=EXPECT, samples="others")
+    assert others["acc"] == summary["final_val_acc"]
+    with pytest.raises(ValueError, match="that the sample filter keeps"):
+        train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
+                               expect=EXPECT, samples="original")
     # Another draft vocabulary (one token swapped for one outside it) is refused, not scored.
     from eaglenest.formats import vocab
 

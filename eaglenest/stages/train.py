@@ -24,6 +24,7 @@ from torch import nn
 from eaglenest import settings as settings_lib
 from eaglenest.formats import atomic, shards, vocab
 from eaglenest.model import drafter as drafter_lib
+from eaglenest.stages.ingest import ORIGINAL_SUFFIX
 from eaglenest.training import batches, checkpoints, loop
 from eaglenest.training.batches import hidden_dtype_on
 from eaglenest.training.launch import join_processes, resolve_device, run_under_torchrun
@@ -192,17 +193,29 @@ def _train(
     return loop.run_steps(run, log_stream, stop_after_steps)
 
 
+# Which samples of a validation split to score: all, only the original answers kept beside the
+# target's (``<id>@original``, regenerate.mix_original), or every other sample.
+SAMPLE_FILTERS = {
+    "all": None,
+    "original": lambda sample_id: sample_id.endswith(ORIGINAL_SUFFIX),
+    "others": lambda sample_id: not sample_id.endswith(ORIGINAL_SUFFIX),
+}
+
+
 def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, target_path, settings: dict | None = None,
-                     expect: dict | None = None) -> dict:
+                     expect: dict | None = None, samples: str = "all") -> dict:
     """``validate`` of any saved drafter (train output, checkpoint file or export) on a run's
     validation split, in eager mode: what the training curve's validation measured, recomputed
-    outside the training process (e.g. to check a compiled run's figures)."""
+    outside the training process (e.g. to check a compiled run's figures). ``samples``
+    (SAMPLE_FILTERS) scores a part of the split: a mixed run's split holds both versions of
+    each held-out conversation, so "original" is held-out ShareGPT and "others" the held-out
+    answers of the target, for any drafter whose run held out the same conversations."""
     from eaglenest.stages import export
 
     settings = settings_lib.section(settings, "train")
     device = resolve_device(settings["device"], 0)
     hidden_dtype = hidden_dtype_on(device)
-    val_set = batches.open_split(index_path, split_path, "val", expect)
+    val_set = batches.open_split(index_path, split_path, "val", expect, keep=SAMPLE_FILTERS[samples])
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
     top_draft_id = loop.most_frequent_draft_id(draft_vocab)
     model = export.load_any_drafter(drafter_path, target_path)

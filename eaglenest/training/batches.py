@@ -53,10 +53,11 @@ class Dataset:
         return sum(s.length for s in self.samples)
 
 
-def open_split(index_path, split_path, split: str, expect: dict | None = None) -> Dataset:
-    """The samples of ``split`` ("train" or "val") in index order, every shard header checked."""
+def open_split(index_path, split_path, split: str, expect: dict | None = None, keep=None) -> Dataset:
+    """The samples of ``split`` ("train" or "val") in index order, every shard header checked;
+    with ``keep`` (a predicate on sample ids), only those it keeps."""
     index = json.loads(Path(index_path).read_text())
-    wanted = set(json.loads(Path(split_path).read_text())[split])
+    wanted = {sample_id for sample_id in json.loads(Path(split_path).read_text())[split] if keep is None or keep(sample_id)}
     paths, samples = [], []
     hidden_size = layer_ids = None
     for number, entry in enumerate(index["shards"]):
@@ -77,8 +78,8 @@ def open_split(index_path, split_path, split: str, expect: dict | None = None) -
             start += count
     if not samples:
         raise ValueError(
-            f"{split_path}: the {split!r} split has no samples in {index_path} "
-            "(too few conversations for consolidate.val_fraction?)"
+            f"{split_path}: the {split!r} split has no samples in {index_path}"
+            + (" that the sample filter keeps" if keep is not None else " (too few conversations for consolidate.val_fraction?)")
         )
     return Dataset(paths, samples, hidden_size, layer_ids)
 
