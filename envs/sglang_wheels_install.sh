@@ -43,12 +43,18 @@ for archive in "${archives[@]}"; do
 done
 # What the server imports first; sgl_kernel and flashinfer need a GPU driver to load fully.
 MODULES="${IMPORT_TEST:-sglang sglang.srt.entrypoints.http_server sglang.srt.model_executor.model_runner sgl_kernel flashinfer sglang.srt.speculative.eagle_worker_v2 sglang.srt.models.llama_eagle3}"
+# Side by side (each import alone takes seconds), reported in order.
+declare -A import_pid
+for module in $MODULES; do
+    PYTHONPATH="$TARGET" timeout 300 "$PY" -c "import $module" > "$UNPACK/import-$module.log" 2>&1 &
+    import_pid[$module]=$!
+done
 failed=0
 for module in $MODULES; do
-    if PYTHONPATH="$TARGET" timeout 300 "$PY" -c "import $module" > "$UNPACK/import.log" 2>&1; then
+    if wait "${import_pid[$module]}"; then
         echo "import $module: ok"
     else
-        echo "import $module: FAILED"; tail -n 5 "$UNPACK/import.log"; failed=1
+        echo "import $module: FAILED"; tail -n 5 "$UNPACK/import-$module.log"; failed=1
     fi
 done
 exit $failed
