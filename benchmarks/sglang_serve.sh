@@ -10,7 +10,7 @@
 #   bash benchmarks/sglang_serve.sh OUTDIR
 #
 # Knobs (environment): NUM_PROMPTS (80: all first turns), MAX_NEW_TOKENS (128), CONCURRENCY
-# ("1 8 32"), PROFILE_STEPS (32: SGLang's own profile of that many decoding steps of one prompt
+# ("1 8 32"), PROFILE_STEPS (32: SGLang's own profile of that many forward steps of one prompt
 # per server, broken down by stage; 0 = none), DRAFTING (JSON list, default chain 3/1/4, chain 7/1/8, tree 6/10/60),
 # SERVER_ARGS (flags for every server, default "--dtype bfloat16 --mem-fraction-static 0.4";
 # SGLang's defaults otherwise: CUDA graphs on), DEVICE (the replay's, default cuda), SITE

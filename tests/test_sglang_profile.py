@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from pathlib import Path
 
 from eaglenest.sglang import profile as sglang_profile
 
@@ -93,3 +97,67 @@ def test_a_plain_servers_steps_have_no_draft_stages_and_a_foreign_trace_is_refus
     profiler.export_chrome_trace(str(tmp_path / "other.json"))
     with pytest.raises(ValueError, match="scheduler.run_batch"):
         sglang_profile.cycle_breakdown(json.loads((tmp_path / "other.json").read_text())["traceEvents"])
+
+
+class ProfilingServer:
+    """SGLang's profiling choreography over HTTP: /start_profile answers once the steps are
+    profiled, and the trace appears in its output_dir; the profiled steps are the next
+    /generate's (a real torch trace of SGLang-named spans). ``write_trace`` False: a server
+    that never exports one."""
+
+    def __init__(self, write_trace: bool = True):
+        self.requests, self.done = [], threading.Event()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, body: bytes):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.requests.append((self.path, request))
+                if self.path == "/start_profile":
+                    owner.profile = request
+                    owner.done.wait(30)
+                    return self._answer(b"Start profiling.\n")
+                with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                    scheduler_steps(owner.profile["num_steps"], drafting=True)
+                if write_trace:
+                    trace = Path(owner.profile["output_dir"]) / "1764800000-TP-0.trace.json"
+                    profiler.export_chrome_trace(str(trace))
+                    trace.with_suffix(".json.gz").write_bytes(gzip.compress(trace.read_bytes()))
+                    trace.unlink()
+                owner.done.set()
+                return self._answer(json.dumps({"output_ids": [1] * 8, "meta_info": {}}).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_profile_is_asked_for_before_one_long_greedy_request_and_its_new_trace_is_read(tmp_path):
+    server = ProfilingServer()
+    (tmp_path / "old-TP-0.trace.json.gz").write_bytes(b"an earlier trace")
+    trace = sglang_profile.profile_steps(server.url, 5, tmp_path, [3, 4, 5], timeout_s=30)
+    assert trace.name == "1764800000-TP-0.trace.json.gz" and trace.parent == tmp_path.resolve()
+    (start, profiled), (generate, request) = server.requests
+    assert start == "/start_profile" and profiled["num_steps"] == 5 and profiled["output_dir"] == str(tmp_path.resolve())
+    assert generate == "/generate" and request["input_ids"] == [3, 4, 5]
+    assert request["sampling_params"] == {"temperature": 0, "max_new_tokens": 80, "ignore_eos": True}
+    assert sglang_profile.cycle_breakdown(sglang_profile.read_trace(trace))["steps"] == 4
+    server.server.shutdown()
+
+
+def test_a_server_that_writes_no_trace_is_reported(tmp_path):
+    server = ProfilingServer(write_trace=False)
+    with pytest.raises(RuntimeError, match="no trace in"):
+        sglang_profile.profile_steps(server.url, 3, tmp_path, [3], timeout_s=30, trace_wait_s=1)
+    server.server.shutdown()

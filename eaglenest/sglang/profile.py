@@ -38,9 +38,11 @@ def _post(url: str, payload: dict, timeout_s: float) -> bytes:
         return response.read()
 
 
-def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list[int], timeout_s: float) -> Path:
+def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list[int], timeout_s: float,
+                  trace_wait_s: float = 120.0) -> Path:
     """Profile ``steps`` forward steps of the server at ``url`` while it answers one prompt
-    alone (greedy, ``ignore_eos``, long enough to cover them); the trace file it wrote."""
+    alone (greedy, ``ignore_eos``, long enough to cover them); the trace file it wrote, waited
+    for up to ``trace_wait_s`` after the answer."""
     output_dir = Path(output_dir).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     before = set(output_dir.glob("*.trace.json*"))
@@ -65,13 +67,14 @@ def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list
     starter.join(timeout_s)
     if errors:
         raise RuntimeError(f"{base}/start_profile: {errors[0]}")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # the server exports the trace after its last step
+    deadline = time.monotonic() + trace_wait_s
+    while True:  # the server exports the trace after its last step
         new = sorted(set(output_dir.glob("*.trace.json*")) - before, key=lambda p: p.stat().st_mtime)
         if new and _readable(new[-1]):
             return new[-1]
-        time.sleep(1.0)
-    raise RuntimeError(f"no trace in {output_dir} 120 s after {steps} profiled steps")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trace in {output_dir} {trace_wait_s:.0f} s after {steps} profiled steps")
+        time.sleep(0.5)
 
 
 def _readable(path: Path) -> bool:

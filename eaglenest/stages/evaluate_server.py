@@ -175,7 +175,7 @@ def evaluate_on_server(
 
 
 def server_profile(url: str, steps: int, trace_dir: Path, prompt_ids: list[int], timeout_s: float) -> dict:
-    """SGLang's own profile of ``steps`` decoding steps of one prompt alone, broken down per
+    """SGLang's own profile of ``steps`` forward steps of one prompt alone, broken down per
     step (eaglenest.sglang.profile). A server that cannot profile costs the measurement
     nothing: the reason is kept instead."""
     from eaglenest.sglang import profile
