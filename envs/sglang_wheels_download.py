@@ -5,7 +5,9 @@
 On a machine that reaches a package index: fetches every wheel of the pinned list
 (envs/sglang-0.5.14-wheels.txt: file name + sha256, CPython 3.12, x86-64 manylinux) with
 ``pip download --no-deps`` into a cache, checks each sha256, removes the list's ``cut``
-members (sglang-kernel's FA3, FlashMLA and sm100 kernels: 1.8 GB the server never loads)
+members (sglang-kernel's FA3, FlashMLA and sm100 kernels: 1.8 GB; a server from these
+archives needs ``--attention-backend triton`` or ``flashinfer``, since FA3 is SGLang's
+default for MHA models on Hopper, docs/sglang.md)
 together with their RECORD lines, re-zips every wheel without compression (xz then finds
 the redundancy that deflate hid: 184 MB of wheels pack into about 45 MB) and packs them into
 ``sglang-<version>-wheels-<i>.tar.xz`` archives, each under ``--max-archive-mib``, plus a
