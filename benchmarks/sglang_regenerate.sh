@@ -27,6 +27,7 @@
 # and the config's own becomes the ceiling, and the regeneration server runs with its flags, and
 # with its requests in flight shared by the shard jobs when it had its own N:
 # OUTDIR/server-flags.yaml),
+# SERVER_START_TIMEOUT_S (600: a plain server not answering /health by then is skipped),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,12 +104,18 @@ measure_ceiling() {  # label, requests in flight, extra flags...
     local label="$1" in_flight="$2"; shift 2
     "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
     local plain=$!
-    for _ in $(seq 1 600); do
+    local deadline=$((SECONDS + ${SERVER_START_TIMEOUT_S:-600})) up=0
+    while [ $SECONDS -lt $deadline ]; do
         "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30030/health', timeout=2)" \
-            2> /dev/null && break
+            2> /dev/null && { up=1; break; }
         kill -0 $plain 2>/dev/null || break
         sleep 1
     done
+    if [ $up = 0 ]; then  # died or never ready: this flag set has no ceiling, the sweep goes on
+        log "plain server not up ($label: ${*:-the config flags}): $(tail -n 3 "$OUT/ceiling-server-$label.log" | tr '\n' ' ' | cut -c1-300)"
+        kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
+        return 1
+    fi
     log "plain server up ($label: ${*:-the config flags})"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
