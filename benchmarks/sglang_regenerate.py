@@ -3,10 +3,11 @@
 Two parts of one run (benchmarks/sglang_regenerate.sh drives them on the node):
 
 ``ceiling``: a plain SGLang server (no eaglenest code in it) answers a seeded sample of the
-run's first-turn prompts (what the regenerate stage sends in its first wave: every turn up
-to the first assistant turn, the same prompts it would skip as too long skipped) with the
-same sampling settings, from a plain client that keeps ``concurrency`` requests in flight.
-Its generated tokens per second are what the engine does alone.
+prompts the regenerate stage asks (``--turns all``, the default: any assistant turn's, with
+the conversation before it; ``--turns first``: first turns only; the prompts the stage would
+skip as too long skipped) with the same sampling settings, from a plain client that keeps
+``concurrency`` requests in flight. Its generated tokens per second are what the engine does
+alone on prompts of the workflow's lengths.
 
 ``pick``: of several ceilings measured with different server flags (``CEILING_SWEEP``), the
 fastest; writes it as the run's ceiling and as a config overlay whose ``extract.sglang.extra_args``
@@ -51,21 +52,25 @@ sys.path.insert(0, str(REPO))
 TRANSFORMERS_NEW_TOKENS_PER_S = 1950
 
 
-def first_turn_prompts(conversations_path: str, model_path: str, max_len: int, count: int, seed: int) -> tuple[list, int]:
-    """(prompts, skipped): a seeded sample of first-wave prompts, those the stage would skip
-    as ``max_len`` or longer left out, as the stage leaves them out."""
+def sample_prompts(conversations_path: str, model_path: str, max_len: int, count: int, seed: int,
+                   turns: str = "all") -> tuple[list, int]:
+    """(prompts, skipped): a seeded sample of the prompts the stage asks, those it would skip
+    as ``max_len`` or longer left out, as the stage leaves them out. ``turns="all"``: any
+    assistant turn's, the conversation before it as the source holds it (the stage asks the
+    same turn with its own earlier answers in their place), so the prompts have the lengths
+    the workflow's server sees; ``"first"``: the first assistant turn's only."""
     from eaglenest.stages.prepare import load_tokenizer, prompt_ids
 
     with open(conversations_path, encoding="utf-8") as handle:  # JSON lines: split on "\n" only
         rows = [json.loads(line) for line in handle if line.strip()]
-    random.Random(seed).shuffle(rows)
+    candidates = []
+    for row in rows:
+        assistant_turns = [k for k, message in enumerate(row["messages"]) if message["role"] == "assistant"]
+        candidates += [row["messages"][:k] for k in (assistant_turns if turns == "all" else assistant_turns[:1])]
+    random.Random(seed).shuffle(candidates)
     tokenizer = load_tokenizer(model_path)
     prompts, skipped = [], 0
-    for row in rows:
-        turns = [k for k, message in enumerate(row["messages"]) if message["role"] == "assistant"]
-        if not turns:
-            continue
-        prompt = row["messages"][: turns[0]]
+    for prompt in candidates:
         if len(prompt_ids(tokenizer, prompt)) >= max_len:
             skipped += 1
             continue
@@ -104,12 +109,12 @@ def cmd_ceiling(options) -> int:
 
     config = load_config(REPO, options.config)  # as the Snakefile sees it
     section = config["regenerate"]
-    prompts, skipped = first_turn_prompts(options.conversations, options.model_path, config["data"]["max_len"],
-                                          options.prompts, options.seed)
+    prompts, skipped = sample_prompts(options.conversations, options.model_path, config["data"]["max_len"],
+                                      options.prompts, options.seed, options.turns)
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
                              options.seed)
-    result.update(sampling=sampling, skipped_beyond_max_len=skipped, seed=options.seed,
+    result.update(sampling=sampling, turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,
                   server_flags=options.server_flags.split())
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
@@ -285,6 +290,8 @@ def main(argv=None) -> int:
     ceiling.add_argument("--prompts", type=int, default=2048)
     ceiling.add_argument("--concurrency", type=int, default=256)
     ceiling.add_argument("--seed", type=int, default=0)
+    ceiling.add_argument("--turns", choices=["all", "first"], default="all",
+                         help="sample the prompts of every assistant turn (default) or of first turns only")
     ceiling.add_argument("--server-flags", default="",
                          help="the flags the server runs with beyond the config's, recorded (--server-flags=\"--a b\")")
     ceiling.add_argument("--out", required=True)

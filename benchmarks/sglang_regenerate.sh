@@ -5,8 +5,8 @@
 # 1. the target's conversion (the workflow, --until convert_embedded_target);
 # 2. the ceiling: a plain SGLang server (no eaglenest code), started with the flags the
 #    launcher gives the regeneration server (and, with CEILING_SWEEP, once more per flag set),
-#    answers a seeded sample of the first wave's prompts with the run's sampling settings,
-#    CEILING_CONCURRENCY requests in flight;
+#    answers a seeded sample of the turns' prompts (CEILING_TURNS: all, the default, or first)
+#    with the run's sampling settings, CEILING_CONCURRENCY requests in flight;
 # 3. the workflow's regenerate stage (rule regenerate, its server started by rule
 #    regenerate_server), stopped after REGENERATE_TIMEOUT_S if set (a rerun makes only the
 #    missing shards);
@@ -119,7 +119,7 @@ measure_ceiling() {  # label, requests in flight, extra flags...
     log "plain server up ($label: ${*:-the config flags})"
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-2048}" --concurrency "$in_flight" --server-flags="$*" \
+        --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
         --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null

@@ -347,10 +347,10 @@ def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
 
 
 @pytest.mark.integration
-def test_the_regeneration_ceiling_asks_a_server_the_first_wave_with_the_runs_sampling(conversations, tmp_path, tiny_llama,
-                                                                                      chat_server):
+def test_the_regeneration_ceiling_asks_a_server_the_stages_prompts_with_the_runs_sampling(conversations, tmp_path, tiny_llama,
+                                                                                         chat_server):
     """benchmarks/sglang_regenerate.py ceiling: what a plain client gets from the server on the
-    stage's first-wave prompts, with the run's sampling settings."""
+    prompts the stage asks (any turn's, or first turns only), with the run's sampling settings."""
     import sys
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -367,12 +367,29 @@ def test_the_regeneration_ceiling_asks_a_server_the_first_wave_with_the_runs_sam
                                    "--out", str(out)]) == 0
     ceiling = json.loads(out.read_text())
     assert ceiling["prompts"] == 5 and ceiling["sampling"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 6}
+    assert ceiling["turns"] == "all"
     assert 0 < ceiling["generated_tokens"] <= 5 * 6 and ceiling["tokens_per_s"] > 0
     assert sum(ceiling["finish_reasons"].values()) == 5
-    # The prompts are the first wave's: every turn before the first assistant turn.
-    prompts, skipped = sglang_regenerate.first_turn_prompts(str(conversations), str(tiny_llama), 2048, 3, seed=0)
-    assert skipped == 0 and len(prompts) == 3
-    assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt in prompts)
+    # First turns only: every message before the first assistant turn.
+    first, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), 2048, 3, seed=0, turns="first")
+    assert skipped == 0 and len(first) == 3
+    assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt in first)
+    # Every turn: later turns' prompts hold the conversation so far, so they are longer.
+    rows = [json.loads(line) for line in conversations.read_text().splitlines() if line.strip()]
+    turns = sum(m["role"] == "assistant" for row in rows for m in row["messages"])
+    every, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), 2048, turns, seed=0)
+    assert skipped == 0 and len(every) == turns > len(rows)
+    assert all(prompt[-1]["role"] == "user" for prompt in every)
+    assert any(m["role"] == "assistant" for prompt in every for m in prompt)
+    # Prompts of max_len tokens or more are left out, as the stage leaves them out.
+    from eaglenest.stages.prepare import load_tokenizer, prompt_ids
+
+    tokenizer = load_tokenizer(str(tiny_llama))
+    lengths = sorted(len(prompt_ids(tokenizer, prompt)) for prompt in every)
+    max_len = lengths[len(lengths) // 2]
+    short, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), max_len, turns, seed=0)
+    assert skipped == sum(length >= max_len for length in lengths) > 0 and len(short) == turns - skipped
+    assert all(len(prompt_ids(tokenizer, prompt)) < max_len for prompt in short)
 
 
 def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_the_others():
