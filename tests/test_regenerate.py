@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -259,6 +260,32 @@ def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, t
         for k in conversation["regenerated_turns"]:
             ids = tokenizer(conversation["messages"][k]["content"], add_special_tokens=False)["input_ids"]
             assert regenerate.first_loop_cut(ids, 3) is None
+
+
+@pytest.mark.integration
+def test_a_streamed_answer_is_aborted_at_its_first_loop_and_kept_as_the_full_answers_cut(conversations, tmp_path,
+                                                                                         tiny_llama, chat_server):
+    """regenerate.stream: the answer streams in, the client sees the loop complete, asks the
+    server to abort the request and hangs up; the server stops generating there, and the
+    shard holds exactly what cutting the whole answer afterwards holds."""
+    url = chat_server("--stream-interval", "2", "--stream-token-delay-s", "0.02")
+    greedy = dict(backend="openai", url=url, concurrency=2, temperature=0.0, max_new_tokens=48, max_len=2048,
+                  repetition_stop=3)
+    cut_after, after = run_shard(conversations, tmp_path, tiny_llama, name="after", **greedy)
+    stats_before = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    streamed, report = run_shard(conversations, tmp_path, tiny_llama, name="streamed", stream=True, **greedy)
+    stats = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    assert_accounted(report)
+    assert streamed == cut_after
+    for key in ("regenerated", "stopped_by_repetition", "finished_by_length", "new_tokens", "failed"):
+        assert report[key] == after[key], key
+    assert report["stopped_by_repetition"] > 0
+    # Every loop-stopped answer was aborted in the server, which streamed fewer tokens than the
+    # answers it would have run to the end: the work the cut throws away was not done.
+    assert stats_before["aborted"] == [] and len(stats["aborted"]) == report["stopped_by_repetition"]
+    streamed_tokens = stats["streamed_tokens"] - stats_before["streamed_tokens"]
+    assert report["new_tokens"] <= streamed_tokens < after["generated_tokens"]
+    assert report["generated_tokens"] < after["generated_tokens"]
 
 
 def test_the_repetition_stop_names_new_answers_only_when_it_is_on():

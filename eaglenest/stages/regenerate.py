@@ -75,6 +75,7 @@ class Settings:
     url: str
     model: str | None
     concurrency: int
+    stream: bool
     timeout_s: float
     backoff_s: float
     threads: int
@@ -129,10 +130,11 @@ def loop_cut(tokens: list[int], repeats: int, end: int | None = None) -> int | N
     return None
 
 
-def first_loop_cut(tokens: list[int], repeats: int) -> int | None:
+def first_loop_cut(tokens: list[int], repeats: int, start: int = 0) -> int | None:
     """:func:`loop_cut` at the first token where a loop completes (what a stop checked
-    after every new token sees), or None when the answer never loops."""
-    for end in range(min(LOOP_MIN_TOKENS, len(tokens)), len(tokens) + 1):
+    after every new token sees), or None when the answer never loops; ``start``: the
+    lengths below it are known to hold no loop (an answer checked as it streams in)."""
+    for end in range(min(max(LOOP_MIN_TOKENS, start), len(tokens)), len(tokens) + 1):
         cut = loop_cut(tokens, repeats, end)
         if cut is not None:
             return cut
@@ -277,6 +279,7 @@ class OpenAIBackend:
         self.settings = settings
         self.model_name = settings.model or model_name
         self.endpoint = settings.url.rstrip("/") + "/v1/chat/completions"
+        self.abort_endpoint = settings.url.rstrip("/") + "/abort_request"
         # The tokenizer only measures prompts against max_len; the server generates.
         self.tokenizer = load_tokenizer(model_path)
 
@@ -293,13 +296,20 @@ class OpenAIBackend:
             "max_tokens": s.max_new_tokens,
             "seed": seed,
         }
-        request = urllib.request.Request(
-            self.endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-        )
+        streamed = s.stream and s.repetition_stop >= 2
+        if streamed:
+            body.update(stream=True, stream_options={"include_usage": True})
         error = None
         for attempt in range(1, s.retries + 2):
+            if streamed:  # a request id of its own per attempt, so that an abort names this one
+                body["rid"] = f"eaglenest-{os.urandom(12).hex()}"
+            request = urllib.request.Request(
+                self.endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+            )
             try:
                 with urllib.request.urlopen(request, timeout=s.timeout_s) as response:
+                    if streamed:
+                        return self._read_stream(response, body["rid"], attempt)
                     answer = json.loads(response.read())
                 choice = answer["choices"][0]
                 text = choice["message"]["content"]
@@ -321,6 +331,51 @@ class OpenAIBackend:
             if attempt <= s.retries:
                 time.sleep(s.backoff_s * 2 ** (attempt - 1))
         return Generation(None, attempts=s.retries + 1, error=error)
+
+    def _read_stream(self, response, rid: str, attempt: int) -> Generation:
+        """Read a streamed answer (server-sent events) and check it for a loop as it grows;
+        at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
+        and hang up (a server without that route, vLLM's, aborts on the hang-up), so the
+        server stops generating what the cut would throw away."""
+        text, finish_reason, usage, checked = "", None, None, 0
+        for raw in response:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if isinstance(chunk.get("error"), dict):  # SGLang reports a failed stream in-band
+                raise ValueError(chunk["error"].get("message", "stream error"))
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or []:
+                text += (choice.get("delta") or {}).get("content") or ""
+                finish_reason = choice.get("finish_reason") or finish_reason
+            if not text:
+                continue
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            # Tokens next to the end can change as text arrives; recheck the last few lengths.
+            cut = first_loop_cut(ids, self.settings.repetition_stop, start=max(0, checked - 4))
+            checked = len(ids)
+            if cut is not None:
+                self._abort(rid)
+                kept = self.tokenizer.decode(ids[:cut], skip_special_tokens=True).strip()
+                # The server's count stops here; the few tokens it made until the abort landed are not seen.
+                return Generation(kept, "repetition", cut, attempt, generated_tokens=len(ids))
+        completion_tokens = int((usage or {}).get("completion_tokens", 0))
+        generation = Generation(text.strip(), finish_reason, completion_tokens, attempt, generated_tokens=completion_tokens)
+        return self._without_loop(generation)
+
+    def _abort(self, rid: str) -> None:
+        """Best effort: SGLang frees the request's slot at its next scheduling step."""
+        request = urllib.request.Request(self.abort_endpoint, data=json.dumps({"rid": rid}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                response.read()
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            log.debug("abort of %s not taken: %s", rid, e)
 
     def _without_loop(self, generation: Generation) -> Generation:
         """The server ran to its own stop; cut the answer where the first loop completes

@@ -17,6 +17,10 @@ first token than was sent (a content mismatch), ``--impersonate vllm`` answers
 like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the patch;
 ``--chat-fail-first N`` answers the first N chat requests with 503 (a server warming up),
 ``--chat-fail-containing TEXT`` answers 500 to every chat request whose user turns contain TEXT.
+A chat request with ``"stream": true`` is answered as SGLang streams it (server-sent events of
+``--stream-interval`` tokens, ``--stream-token-delay-s`` per token), and ``POST /abort_request``
+with its ``rid`` stops the stream at the next chunk; ``GET /standin/stats`` lists the aborted
+request ids and the tokens streamed in all.
 
 Serving (``--mode serve``), ``POST /generate`` decodes greedily: with the target alone, or, given
 SGLang's EAGLE-3 flags (``--speculative-algorithm EAGLE3 --speculative-draft-model-path EXPORT
@@ -149,6 +153,9 @@ def make_handler(options, state: dict):
                 return self._send(200, {})
             if options.impersonate == "sglang" and self.path == "/get_model_info":
                 return self._send(200, {"model_path": str(options.model), "is_generation": True})
+            if self.path == "/standin/stats":
+                with state["lock"]:
+                    return self._send(200, {"aborted": sorted(state["aborted"]), "streamed_tokens": state["streamed_tokens"]})
             if options.impersonate is None and self.path == sglang_patch.INFO_ROUTE:
                 return self._send(200, sglang_patch.server_info(state["model"].settings, "stand-in"))
             return self._send(404, {"detail": "Not Found"})
@@ -158,6 +165,10 @@ def make_handler(options, state: dict):
             request = json.loads(self.rfile.read(length) or b"{}")
             if self.path == "/v1/chat/completions" and options.impersonate is None:
                 return self._chat(request)
+            if self.path == "/abort_request" and options.impersonate is None:
+                with state["lock"]:
+                    state["aborted"].add(request.get("rid"))
+                return self._send(200, {})
             if options.impersonate == "vllm" or self.path != "/generate":
                 return self._send(404, {"detail": "Not Found"})
             with state["lock"]:
@@ -246,12 +257,59 @@ def make_handler(options, state: dict):
                 (answer,) = generator.generate([messages], seed=int(request.get("seed", 0)))
             if answer.text is None:
                 return self._send(500, {"error": {"message": answer.error}})
+            if request.get("stream"):
+                return self._stream_chat(request, answer, generator.tokenizer, count)
             return self._send(200, {
                 "id": f"chatcmpl-{count}", "object": "chat.completion", "model": options.target,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
                              "finish_reason": answer.finish_reason}],
                 "usage": {"completion_tokens": answer.new_tokens},
             })
+
+        def _stream_chat(self, request, answer, tokenizer, count):
+            """The answer as SGLang streams it: a delta of text per ``--stream-interval`` tokens,
+            the finish reason, a usage chunk when asked, ``[DONE]``; an aborted request's
+            stream ends at the next chunk with finish reason ``abort``."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            rid, ids = request.get("rid"), tokenizer(answer.text, add_special_tokens=False)["input_ids"]
+            sent, sent_tokens, finish_reason = "", 0, answer.finish_reason
+
+            def event(payload) -> None:
+                self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                self.wfile.flush()
+
+            def chunk(content, reason=None) -> dict:
+                return {"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "model": options.target,
+                        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": reason}]}
+
+            try:
+                for end in range(options.stream_interval, len(ids) + options.stream_interval, options.stream_interval):
+                    end = min(end, len(ids))
+                    time.sleep(options.stream_token_delay_s * (end - sent_tokens))
+                    with state["lock"]:
+                        aborted = rid is not None and rid in state["aborted"]
+                        if not aborted:
+                            state["streamed_tokens"] += end - sent_tokens
+                    if aborted:
+                        finish_reason = "abort"
+                        break
+                    sent_tokens = end
+                    text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+                    if text.startswith(sent) and len(text) > len(sent):  # hold back a character still incomplete
+                        event(chunk(text[len(sent):]))
+                        sent = text
+                event(chunk("", finish_reason))
+                if (request.get("stream_options") or {}).get("include_usage"):
+                    event({"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "choices": [],
+                           "usage": {"completion_tokens": sent_tokens}})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):  # the client hung up
+                pass
 
     return Handler
 
@@ -264,7 +322,7 @@ def chat_generator(options):
 
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
-             "writer": spool.SpoolWriter(2)}
+             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0}
     if options.speculative_algorithm not in (None, "EAGLE3"):
         raise SystemExit(f"the stand-in speculates with EAGLE3 only, not {options.speculative_algorithm}")
     drafting = None
@@ -313,6 +371,8 @@ def parse_args(argv=None):
     parser.add_argument("--impersonate", choices=["vllm", "sglang"], default=None)
     parser.add_argument("--chat-fail-first", type=int, default=0, help="answer the first N chat requests with 503")
     parser.add_argument("--chat-fail-containing", default=None, help="answer 500 to chat requests whose user turns contain this text")
+    parser.add_argument("--stream-interval", type=int, default=1, help="SGLang's: tokens per streamed chunk")
+    parser.add_argument("--stream-token-delay-s", type=float, default=0.0, help="a pause per streamed token (decode time)")
     parser.add_argument("--mode", choices=["capture", "serve"], default=None,
                         help="what /eaglenest/info says the server was started for (default: the launcher's settings, else capture)")
     parser.add_argument("--verbose", action="store_true")
