@@ -1,6 +1,9 @@
 """Download the pinned SGLang wheels and pack them for a GPU node without a package index.
 
     python envs/sglang_wheels_download.py --out .sglang-wheels [--without ipython jedi ...]
+    python envs/sglang_wheels_download.py --list envs/workflow-node-wheels.txt --out .node-wheels
+
+The second packs what the workflow itself (snakemake) needs on such a node, the same way.
 
 On a machine that reaches a package index: fetches every wheel of the pinned list
 (envs/sglang-0.5.14-wheels.txt: file name + sha256, CPython 3.12, x86-64 manylinux) with
@@ -10,7 +13,7 @@ archives needs ``--attention-backend triton`` or ``flashinfer``, since FA3 is SG
 default for MHA models on Hopper, docs/sglang.md)
 together with their RECORD lines, re-zips every wheel without compression (xz then finds
 the redundancy that deflate hid: 184 MB of wheels pack into about 45 MB) and packs them into
-``sglang-<version>-wheels-<i>.tar.xz`` archives, each under ``--max-archive-mib``, plus a
+``<list name>-<i>.tar.xz`` archives (``sglang-0.5.14-wheels-1.tar.xz``), each under ``--max-archive-mib``, plus a
 ``manifest.json`` (wheels, sizes, archive checksums). envs/sglang_wheels_install.sh
 installs them on the node. ``--without DIST`` leaves out whole distributions a run does
 not load. Deterministic: same list, same archives, byte for byte.
@@ -165,7 +168,9 @@ def main(argv=None) -> int:
         members.append((wheel, data))
         if removed:
             print(f"{wheel}: cut {removed / 1e6:.1f} MB", file=sys.stderr)
-    version = next(w.split("-")[1] for w in wheels if dist_name(w) == "sglang")
+    # The archives are named after the list: sglang-0.5.14-wheels-1.tar.xz, workflow-node-wheels-1.tar.xz
+    prefix = options.list.name.removesuffix(".txt")
+    version = next((w.split("-")[1] for w in wheels if dist_name(w) == "sglang"), None)
     limit = int(options.max_archive_mib * (1 << 20))
     for parts in range(1, len(members) + 1):
         archives = [pack(group) for group in split_evenly(members, parts)]
@@ -173,13 +178,13 @@ def main(argv=None) -> int:
             break
         print(f"{parts} archive(s): the largest is {max(map(len, archives)) / 2**20:.1f} MiB; splitting further", file=sys.stderr)
     options.out.mkdir(parents=True, exist_ok=True)
-    for stale in options.out.glob(f"sglang-{version}-wheels-*.tar.xz"):
+    for stale in options.out.glob(f"{prefix}-*.tar.xz"):
         stale.unlink()
     manifest = {"sglang_version": version, "list": options.list.name, "without": sorted(without),
                 "wheels": len(members), "downloaded_bytes": downloaded,
                 "stored_bytes": sum(len(data) for _, data in members), "archives": []}
     for index, (group, archive) in enumerate(zip(split_evenly(members, len(archives)), archives), 1):
-        path = options.out / f"sglang-{version}-wheels-{index}.tar.xz"
+        path = options.out / f"{prefix}-{index}.tar.xz"
         write_atomically(path, archive)
         manifest["archives"].append({"file": path.name, "bytes": len(archive), "sha256": hashlib.sha256(archive).hexdigest(),
                                      "wheels": [name for name, _ in group]})

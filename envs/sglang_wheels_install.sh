@@ -3,8 +3,10 @@
 #
 #   bash envs/sglang_wheels_install.sh [ARCHIVE_DIR (.sglang-wheels)] [TARGET (/tmp/site)]
 #
-# ARCHIVE_DIR holds what envs/sglang_wheels_download.py wrote (sglang-*-wheels-*.tar.xz,
-# manifest.json). Installs with `pip install --no-index --no-deps --target TARGET`, so
+# ARCHIVE_DIR holds what envs/sglang_wheels_download.py wrote (<list name>-<i>.tar.xz,
+# manifest.json). The workflow's own wheels (--list envs/workflow-node-wheels.txt) go into a
+# TARGET of their own, with IMPORT_TEST=snakemake:
+#   IMPORT_TEST=snakemake bash envs/sglang_wheels_install.sh .node-wheels /tmp/workflow-site Installs with `pip install --no-index --no-deps --target TARGET`, so
 # nothing of the node's own Python changes: the server runs with PYTHONPATH=TARGET on top of
 # the node's torch. Idempotent: an archive whose wheels are installed is skipped (stamps in
 # TARGET/.eaglenest-installed). Exit status: 0 when every import works.
@@ -17,8 +19,8 @@ UNPACK="$(mktemp -d "${TMPDIR:-/tmp}/sglang-wheels.XXXXXX")"
 trap 'rm -rf "$UNPACK"' EXIT
 mkdir -p "$TARGET" "$STAMPS"
 shopt -s nullglob
-archives=("$ARCHIVES"/sglang-*-wheels-*.tar.xz)
-[ ${#archives[@]} -gt 0 ] || { echo "no sglang-*-wheels-*.tar.xz in $ARCHIVES" >&2; exit 2; }
+archives=("$ARCHIVES"/*-wheels-*.tar.xz)
+[ ${#archives[@]} -gt 0 ] || { echo "no *-wheels-*.tar.xz in $ARCHIVES" >&2; exit 2; }
 if [ -f "$ARCHIVES/manifest.json" ]; then  # the archives arrived whole
     "$PY" - "$ARCHIVES" <<'PY'
 import hashlib, json, pathlib, sys
