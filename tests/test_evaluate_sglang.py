@@ -364,3 +364,34 @@ def test_merge_refuses_parts_measured_at_other_concurrencies():
     assert metrics["tau"] == 1.0 and metrics["speedup"] == 1.0 and metrics["lossless"] is True
     with pytest.raises(ValueError, match="other concurrencies"):
         evaluate_server.metrics_from_server_parts(part("steps2-topk1-tokens3", [1, 8]), part("plain", [1]))
+
+
+@pytest.mark.workflow
+def test_the_gpu_round_plans_regeneration_then_the_served_drafter_with_the_carried_installs_flags(tmp_path, tiny_llama):
+    """benchmarks/sglang_round.sh with DRY_RUN=1: regeneration's plan, then the serve run's,
+    whose servers get the flags the carried install serves with (Triton attention, no prefill
+    graphs) unless SERVER_ARGS says otherwise; the milestones the node's caller waits for."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(
+        workdir, tiny_llama, conversations, run="tiny-round-dry-run", data={"max_conversations": 20, "samples_per_shard": 10},
+        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95})
+    export = sglang_export(tmp_path, tiny_llama)
+    prompts = tmp_path / "question.jsonl"
+    prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Another."]}) + "\n")
+    environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
+                   "TARGET_DIR": str(tiny_llama), "DRAFTER": str(export), "EVAL_PROMPTS": str(prompts),
+                   "WORK": str(tmp_path / "serve-work"), "NUM_PROMPTS": "1"}
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_round.sh"), str(out), str(configfile)],
+                            capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (out / "round.log").read_text()
+    assert log.index("regeneration starts") < log.index("regeneration rc=0") < log.index("serve starts") < log.index("serve rc=0")
+    assert (out / "REGEN_DONE").exists() and (out / "DONE").exists()
+    assert any(line.startswith("ceiling server: ") for line in (out / "regen" / "steps.log").read_text().splitlines())
+    served = yaml.safe_load((out / "serve" / "serve.yaml").read_text())
+    assert served["extract"]["sglang"]["extra_args"] == ["--dtype", "bfloat16", "--mem-fraction-static", "0.4",
+                                                         "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                                                         "--disable-prefill-cuda-graph"]
