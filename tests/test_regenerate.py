@@ -262,6 +262,47 @@ def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, t
             assert regenerate.first_loop_cut(ids, 3) is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_off_mid_body_is_retried_then_listed_as_failed_not_raised(tiny_llama, stream):
+    """A server that dies while it sends an answer leaves a body shorter than it announced
+    (http.client.IncompleteRead): the turn is retried, then fails like any transient error."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class CutOff(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            if stream:
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"40\r\ndata: {\"choices\": [{\"delta\": {\"content\": \"Hel")  # 64 bytes announced
+            else:
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "500")
+                self.end_headers()
+                self.wfile.write(b'{"choices": [{"message": {"content": "Hel')
+            self.wfile.flush()
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CutOff)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = regenerate.Settings.from_config({"backend": "openai", "url": f"http://127.0.0.1:{server.server_address[1]}",
+                                                    "stream": stream, "repetition_stop": 3, "retries": 1, "backoff_s": 0.01})
+        generation = regenerate.OpenAIBackend(tiny_llama, settings, "tiny-llama").answer([{"role": "user", "content": "hi"}], 0)
+    finally:
+        server.shutdown()
+    assert generation.text is None and generation.attempts == 2
+    assert "IncompleteRead" in generation.error, generation.error
+
+
 @pytest.mark.integration
 def test_a_streamed_answer_is_aborted_at_its_first_loop_and_kept_as_the_full_answers_cut(conversations, tmp_path,
                                                                                          tiny_llama, chat_server):

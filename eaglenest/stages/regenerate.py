@@ -30,6 +30,7 @@ Output per shard (docs/formats.md): JSONL of ``{"sample_id", "messages",
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -324,7 +325,8 @@ class OpenAIBackend:
                 error = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
                 if e.code not in TRANSIENT_HTTP:
                     return Generation(None, attempts=attempt, error=error)
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+                # HTTPException: an answer cut off mid-body (IncompleteRead), e.g. a server dying mid-stream
                 error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             except (KeyError, IndexError, ValueError) as e:
                 error = f"malformed answer: {type(e).__name__}: {e}"
