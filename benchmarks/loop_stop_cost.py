@@ -28,6 +28,11 @@ generated tokens the cut discarded in a measured regeneration run:
         --engine benchmarks/results/sglang_engine_2026-12-03.json --out benchmarks/results/loop_stop_cost.json
 
 The scheduler runs on the GPU node's CPU, not this one: the per-request times are this CPU's.
+
+It also times the check the client runs instead (``regenerate.stream``): each answer as the
+server streams it, a piece every ``--stream-interval`` tokens, through
+``eaglenest.stages.regenerate.StreamedLoopCheck``; per answer, per token, and the CPU cores
+that takes at the engine's measured tokens per second (the shard jobs', not the scheduler's).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import statistics
 import time
 from pathlib import Path
 
-from eaglenest.stages.regenerate import LOOP_MIN_TOKENS, loop_cut, loop_periods
+from eaglenest.stages.regenerate import LOOP_MIN_TOKENS, StreamedLoopCheck, loop_cut, loop_periods
 
 # A span of 6-256 characters three times in a row at the end: the text form of
 # repetition_stop 3 (three copies of one span). Its backreference makes SGLang decode the
@@ -85,7 +90,7 @@ def time_per_call(function, arguments: list, repeats: int) -> float:
     return best
 
 
-def measure(tokenizer, answers: list[str], max_new_tokens: int, stride: int, repeats: int) -> dict:
+def measure(tokenizer, answers: list[str], max_new_tokens: int, stride: int, repeats: int, stream_interval: int = 16) -> dict:
     # Each answer at the output lengths it passes through while it is generated (every
     # ``stride``-th), so long outputs weigh as many steps as they take.
     prefixes = []
@@ -102,8 +107,28 @@ def measure(tokenizer, answers: list[str], max_new_tokens: int, stride: int, rep
     def prechecked_token_check(output_ids):
         return prechecked_loop_cut(output_ids, 3) is not None
 
+    # The client's check of a streamed answer (regenerate.stream): the text as the server sends
+    # it, a piece every ``stream_interval`` tokens, each piece tokenized again and checked.
+    streams = []
+    for answer in answers:
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"][:max_new_tokens]
+        ends = list(range(stream_interval, len(ids), stream_interval)) + [len(ids)]
+        streams.append((len(ids), [tokenizer.decode(ids[:end], skip_special_tokens=True) for end in ends]))
+
+    def streamed_check(stream):
+        check = StreamedLoopCheck(tokenizer, 3)
+        for text in stream[1]:
+            if check.feed(text) is not None:
+                return True
+        return False
+
+    per_answer = time_per_call(streamed_check, streams, repeats)
+    streamed_tokens = statistics.fmean(tokens for tokens, _ in streams)
     return {
         "answers": len(answers),
+        "stream_interval": stream_interval,
+        "client_streamed_check_us_per_answer": round(per_answer * 1e6, 1),
+        "client_streamed_check_us_per_token": round(per_answer * 1e6 / streamed_tokens, 2),
         "checked_lengths": len(prefixes),
         "mean_output_tokens": round(statistics.fmean(len(p) for p in prefixes), 1),
         "stop_regex_us": round(time_per_call(stop_regex_check, prefixes, repeats) * 1e6, 2),
@@ -140,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--stride", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stream-interval", type=int, default=16, help="tokens per streamed piece (SGLang's --stream-interval)")
     parser.add_argument("--out", required=True)
     options = parser.parse_args(argv)
 
@@ -147,7 +173,7 @@ def main(argv=None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer)
     cost = measure(tokenizer, assistant_answers(options.answers, options.limit), options.max_new_tokens,
-                   options.stride, options.repeats)
+                   options.stride, options.repeats, options.stream_interval)
     engine = engine_figures(Path(options.engine))
     rows = []
     for name, key in (("stop_regex (decode + search)", "stop_regex_us"),
@@ -166,6 +192,12 @@ def main(argv=None) -> int:
     print(f"{'check':<36}{'us/request':>12}{'ms/step':>10}{'of step':>10}")
     for row in rows:
         print(f"{row['check']:<36}{row['per_request_us']:>12}{row['per_step_ms']:>10}{row['share_of_step']:>10.1%}")
+    # The streamed check runs in the shard jobs, not the scheduler: CPU cores at the run's rate.
+    result["client_streamed_check_cores"] = round(cost["client_streamed_check_us_per_token"] * engine["tokens_per_s"] / 1e6, 2)
+    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"client, streamed answers (a piece every {cost['stream_interval']} tokens): "
+          f"{cost['client_streamed_check_us_per_answer']} us an answer, {cost['client_streamed_check_us_per_token']} us a token, "
+          f"{result['client_streamed_check_cores']} cores at {engine['tokens_per_s']:,.0f} tokens/s")
     return 0
 
 

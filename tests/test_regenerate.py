@@ -603,6 +603,56 @@ def test_the_loop_stop_cost_benchmark_times_checks_that_find_the_loops_the_cut_f
     assert engine["in_flight"] == 512 and engine["step_ms"] == 12.8 and engine["cut_share"] == 0.17
 
 
+def test_the_first_loop_is_found_where_checking_every_length_finds_it():
+    """first_loop_cut tries only the spans whose copies end on the same token; on random
+    answers over small vocabularies (loops of every span length appear) it agrees with
+    loop_cut at every length, from any start below the first loop."""
+    import random
+
+    rng = random.Random(7)
+    found = 0
+    for trial in range(400):
+        vocab, length, repeats = rng.choice([2, 3, 5, 40]), rng.randrange(0, 160), rng.choice([2, 3, 4])
+        tokens = [rng.randrange(vocab) for _ in range(length)]
+        if trial % 3 == 0 and length > 20:  # plant a loop of a long span
+            period = rng.randrange(6, 40)
+            at = rng.randrange(0, length)
+            tokens[at:at] = tokens[at:at + period] * repeats if len(tokens[at:at + period]) == period else []
+        reference = next((regenerate.loop_cut(tokens, repeats, n) for n in range(min(regenerate.LOOP_MIN_TOKENS, len(tokens)),
+                          len(tokens) + 1) if regenerate.loop_cut(tokens, repeats, n) is not None), None)
+        assert regenerate.first_loop_cut(tokens, repeats) == reference, (tokens, repeats)
+        completes = next((n for n in range(len(tokens) + 1) if regenerate.loop_cut(tokens, repeats, n) is not None), None)
+        if completes is not None:
+            found += 1
+            start = rng.randrange(0, completes + 1)
+            assert regenerate.first_loop_cut(tokens, repeats, start=start) == reference
+    assert found > 50
+
+
+@pytest.mark.parametrize("piece", [1, 3, 16])
+def test_a_streamed_answer_checked_piece_by_piece_is_cut_where_the_whole_answer_is(tiny_llama, piece):
+    """regenerate.StreamedLoopCheck (what the openai backend runs on a stream): the text so far,
+    fed a piece at a time, finds the loop at the first piece that completes it, with the cut
+    first_loop_cut gives the whole answer; an answer without a loop is never cut."""
+    tokenizer = prepare.load_tokenizer(tiny_llama)
+    looped = "An answer begins here, and then " + "it says the same sentence again. " * 5 + "The end."
+    plain = "An answer that says one thing, then another thing, and ends without saying anything twice."
+    for text, loops in ((looped, True), (plain, False)):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        expected = regenerate.first_loop_cut(ids, 3)
+        assert (expected is not None) == loops
+        check, cut, fed = regenerate.StreamedLoopCheck(tokenizer, 3), None, 0
+        for end in list(range(piece, len(ids), piece)) + [len(ids)]:
+            fed = end
+            cut = check.feed(tokenizer.decode(ids[:end], skip_special_tokens=True))
+            if cut is not None:
+                break
+        assert cut == expected
+        if loops:  # found at the first piece that completes the loop, not later
+            completes = next(n for n in range(len(ids) + 1) if regenerate.loop_cut(ids, 3, n) is not None)
+            assert fed - piece < completes <= fed
+
+
 def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_shard_and_split(tmp_path, tiny_llama):
     """regenerate.mix_original: prepare keeps both versions of each conversation, the
     original as <id>@original, in the shard its id picks; consolidate puts both versions on

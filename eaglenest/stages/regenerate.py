@@ -121,12 +121,17 @@ def loop_periods(length: int, repeats: int):
         yield period
 
 
+def copies_end_at(tokens: list[int], repeats: int, end: int, period: int) -> bool:
+    """Whether ``tokens[:end]`` ends in ``repeats`` copies in a row of its last ``period`` tokens."""
+    last = tokens[end - period:end]
+    return all(tokens[end - (r + 1) * period: end - r * period] == last for r in range(1, repeats))
+
+
 def loop_cut(tokens: list[int], repeats: int, end: int | None = None) -> int | None:
     """The length that keeps the first copy when ``tokens[:end]`` end in a loop, else None."""
     n = len(tokens) if end is None else end
     for period in loop_periods(n, repeats):
-        last = tokens[n - period:n]
-        if all(tokens[n - (r + 1) * period: n - r * period] == last for r in range(1, repeats)):
+        if copies_end_at(tokens, repeats, n, period):
             return n - (repeats - 1) * period
     return None
 
@@ -134,12 +139,43 @@ def loop_cut(tokens: list[int], repeats: int, end: int | None = None) -> int | N
 def first_loop_cut(tokens: list[int], repeats: int, start: int = 0) -> int | None:
     """:func:`loop_cut` at the first token where a loop completes (what a stop checked
     after every new token sees), or None when the answer never loops; ``start``: the
-    lengths below it are known to hold no loop (an answer checked as it streams in)."""
-    for end in range(min(max(LOOP_MIN_TOKENS, start), len(tokens)), len(tokens) + 1):
-        cut = loop_cut(tokens, repeats, end)
-        if cut is not None:
-            return cut
+    lengths below it are known to hold no loop (an answer checked as it streams in).
+
+    The same as calling :func:`loop_cut` at every length, but each length only tries the spans
+    that end its copies on the same token (where the newest token occurred before), nearest
+    first: a streamed answer is checked as it grows, in the client, for every answer."""
+    shortest = next(loop_periods(LOOP_MAX_PERIOD * repeats, repeats))
+    first = min(max(LOOP_MIN_TOKENS, start), len(tokens))
+    seen: dict[int, list[int]] = {}  # token -> where it occurred, ascending
+    for i in range(max(0, first - 1 - LOOP_MAX_PERIOD), max(0, first - 1)):
+        seen.setdefault(tokens[i], []).append(i)
+    for end in range(max(first, 1), len(tokens) + 1):
+        newest = end - 1
+        earlier = seen.setdefault(tokens[newest], [])
+        for position in reversed(earlier):  # nearest first: the shortest span first, as loop_cut tries them
+            period = newest - position
+            if period > LOOP_MAX_PERIOD or period * repeats > end:
+                break
+            if period >= shortest and copies_end_at(tokens, repeats, end, period):
+                return end - (repeats - 1) * period
+        earlier.append(newest)
     return None
+
+
+class StreamedLoopCheck:
+    """The loop check of an answer that arrives in pieces: the text so far is tokenized again
+    at each piece (tokens at its end can change as more text arrives) and checked from a few
+    tokens before where the previous check ended; :func:`first_loop_cut` of the whole answer."""
+
+    def __init__(self, tokenizer, repeats: int):
+        self.tokenizer, self.repeats = tokenizer, repeats
+        self.ids: list[int] = []
+
+    def feed(self, text: str) -> int | None:
+        """The cut (tokens kept) once ``text``, the answer so far, holds a loop, else None."""
+        checked = len(self.ids)
+        self.ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return first_loop_cut(self.ids, self.repeats, start=max(0, checked - 4))
 
 
 def cut_loop(token_ids: list[int], repeats: int) -> tuple[list[int], bool]:
@@ -339,7 +375,8 @@ class OpenAIBackend:
         at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
         and hang up (a server without that route, vLLM's, aborts on the hang-up), so the
         server stops generating what the cut would throw away."""
-        text, finish_reason, usage, checked = "", None, None, 0
+        text, finish_reason, usage = "", None, None
+        check = StreamedLoopCheck(self.tokenizer, self.settings.repetition_stop)
         for raw in response:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
@@ -356,15 +393,12 @@ class OpenAIBackend:
                 finish_reason = choice.get("finish_reason") or finish_reason
             if not text:
                 continue
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            # Tokens next to the end can change as text arrives; recheck the last few lengths.
-            cut = first_loop_cut(ids, self.settings.repetition_stop, start=max(0, checked - 4))
-            checked = len(ids)
+            cut = check.feed(text)
             if cut is not None:
                 self._abort(rid)
-                kept = self.tokenizer.decode(ids[:cut], skip_special_tokens=True).strip()
+                kept = self.tokenizer.decode(check.ids[:cut], skip_special_tokens=True).strip()
                 # The server's count stops here; the few tokens it made until the abort landed are not seen.
-                return Generation(kept, "repetition", cut, attempt, generated_tokens=len(ids))
+                return Generation(kept, "repetition", cut, attempt, generated_tokens=len(check.ids))
         completion_tokens = int((usage or {}).get("completion_tokens", 0))
         generation = Generation(text.strip(), finish_reason, completion_tokens, attempt, generated_tokens=completion_tokens)
         return self._without_loop(generation)
