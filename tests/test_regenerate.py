@@ -262,14 +262,12 @@ def test_the_openai_backend_cuts_the_servers_loops_the_same_way(conversations, t
             assert regenerate.first_loop_cut(ids, 3) is None
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_an_answer_cut_off_mid_body_is_retried_then_listed_as_failed_not_raised(tiny_llama, stream):
-    """A server that dies while it sends an answer leaves a body shorter than it announced
-    (http.client.IncompleteRead): the turn is retried, then fails like any transient error."""
+def answer_from_raw_server(tiny_llama, respond, stream: bool):
+    """One turn's answer from a server whose every POST ``respond(handler)`` answers."""
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    class CutOff(BaseHTTPRequestHandler):
+    class Raw(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, *args):
@@ -277,30 +275,64 @@ def test_an_answer_cut_off_mid_body_is_retried_then_listed_as_failed_not_raised(
 
         def do_POST(self):
             self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            if stream:
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                self.wfile.write(b"40\r\ndata: {\"choices\": [{\"delta\": {\"content\": \"Hel")  # 64 bytes announced
-            else:
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", "500")
-                self.end_headers()
-                self.wfile.write(b'{"choices": [{"message": {"content": "Hel')
+            respond(self)
             self.wfile.flush()
             self.close_connection = True
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), CutOff)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Raw)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         settings = regenerate.Settings.from_config({"backend": "openai", "url": f"http://127.0.0.1:{server.server_address[1]}",
                                                     "stream": stream, "repetition_stop": 3, "retries": 1, "backoff_s": 0.01})
-        generation = regenerate.OpenAIBackend(tiny_llama, settings, "tiny-llama").answer([{"role": "user", "content": "hi"}], 0)
+        return regenerate.OpenAIBackend(tiny_llama, settings, "tiny-llama").answer([{"role": "user", "content": "hi"}], 0)
     finally:
         server.shutdown()
+
+
+def event_stream(handler, body: bytes) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_cut_off_mid_body_is_retried_then_listed_as_failed_not_raised(tiny_llama, stream):
+    """A server that dies while it sends an answer leaves a body shorter than it announced
+    (http.client.IncompleteRead): the turn is retried, then fails like any transient error."""
+    def cut_off(handler):
+        handler.send_response(200)
+        if stream:
+            handler.send_header("Content-Type", "text/event-stream")
+            handler.send_header("Transfer-Encoding", "chunked")
+            handler.end_headers()
+            handler.wfile.write(b"40\r\ndata: {\"choices\": [{\"delta\": {\"content\": \"Hel")  # 64 bytes announced
+        else:
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", "500")
+            handler.end_headers()
+            handler.wfile.write(b'{"choices": [{"message": {"content": "Hel')
+
+    generation = answer_from_raw_server(tiny_llama, cut_off, stream)
     assert generation.text is None and generation.attempts == 2
     assert "IncompleteRead" in generation.error, generation.error
+
+
+@pytest.mark.parametrize("ending", ["error", "no_finish", "abort"])
+def test_a_stream_that_fails_in_band_or_stops_unfinished_is_no_answer(tiny_llama, ending):
+    """SGLang reports a failure after a stream started as an error event
+    (``{"object": "error", ...}``, srt/entrypoints/openai/serving_chat.py:1054-1060), and a
+    stream can end without a finish reason or aborted by someone else: none is an answer,
+    each is retried and then listed as failed; the partial text is not kept."""
+    delta = json.dumps({"choices": [{"index": 0, "delta": {"content": "Hello there"}, "finish_reason": None}]})
+    tail = {"error": json.dumps({"object": "error", "message": "out of memory", "type": "InternalServerError", "code": 500}),
+            "no_finish": None,
+            "abort": json.dumps({"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "abort"}]})}[ending]
+    body = f"data: {delta}\n\n" + (f"data: {tail}\n\n" if tail else "") + "data: [DONE]\n\n"
+    generation = answer_from_raw_server(tiny_llama, lambda handler: event_stream(handler, body.encode()), stream=True)
+    assert generation.text is None and generation.attempts == 2
+    assert ("out of memory" if ending == "error" else "without finishing") in generation.error, generation.error
 
 
 @pytest.mark.integration

@@ -385,8 +385,8 @@ class OpenAIBackend:
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
-            if isinstance(chunk.get("error"), dict):  # SGLang reports a failed stream in-band
-                raise ValueError(chunk["error"].get("message", "stream error"))
+            if chunk.get("object") == "error" or isinstance(chunk.get("error"), dict):  # a failure reported in-band
+                raise ValueError(f"stream error: {chunk.get('message') or chunk['error'].get('message')}")
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 text += (choice.get("delta") or {}).get("content") or ""
@@ -399,6 +399,8 @@ class OpenAIBackend:
                 kept = self.tokenizer.decode(check.ids[:cut], skip_special_tokens=True).strip()
                 # The server's count stops here; the few tokens it made until the abort landed are not seen.
                 return Generation(kept, "repetition", cut, attempt, generated_tokens=len(check.ids))
+        if finish_reason in (None, "abort"):  # cut short: not an answer
+            raise ValueError(f"stream ended without finishing (finish reason {finish_reason})")
         completion_tokens = int((usage or {}).get("completion_tokens", 0))
         generation = Generation(text.strip(), finish_reason, completion_tokens, attempt, generated_tokens=completion_tokens)
         return self._without_loop(generation)
