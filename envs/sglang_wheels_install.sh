@@ -18,6 +18,9 @@ STAMPS="$TARGET/.eaglenest-installed"
 UNPACK="$(mktemp -d "${TMPDIR:-/tmp}/sglang-wheels.XXXXXX")"
 trap 'rm -rf "$UNPACK"' EXIT
 mkdir -p "$TARGET" "$STAMPS"
+# One install into TARGET at a time: a second waits, then finds the stamps and skips.
+exec 9> "$TARGET/.eaglenest-install.lock"
+flock 9
 shopt -s nullglob
 archives=("$ARCHIVES"/*-wheels-*.tar.xz)
 [ ${#archives[@]} -gt 0 ] || { echo "no *-wheels-*.tar.xz in $ARCHIVES" >&2; exit 2; }
