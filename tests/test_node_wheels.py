@@ -64,3 +64,38 @@ def test_a_cut_removes_the_members_and_their_record_lines_and_the_archive_holds_
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:xz") as tar:
         assert tar.getnames() == [source.name] and tar.extractfile(source.name).read() == data
     assert tool.pack([(source.name, data)]) == archive  # deterministic, byte for byte
+
+
+def demo_wheel(path) -> None:
+    """A minimal pure-Python wheel pip installs: one module and its dist-info."""
+    files = {"eaglenest_demo_mod.py": "VALUE = 7\n",
+             "eaglenest_demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: eaglenest-demo\nVersion: 1.0\n",
+             "eaglenest_demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "eaglenest_demo-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, text in {**files, "eaglenest_demo-1.0.dist-info/RECORD": record}.items():
+            wheel.writestr(name, text)
+
+
+def test_two_installs_into_one_directory_take_turns_and_both_end_with_the_wheels_importable(tmp_path):
+    """envs/sglang_wheels_install.sh run twice at once (two jobs on a node): the second waits
+    for the first, finds its stamp and installs nothing again; both import-test fine."""
+    import os
+    import subprocess
+    import sys
+
+    tool = download_module()
+    archives = tmp_path / "archives"
+    archives.mkdir()
+    wheel = tmp_path / "eaglenest_demo-1.0-py3-none-any.whl"
+    demo_wheel(wheel)
+    (archives / "demo-wheels-1.tar.xz").write_bytes(tool.pack([(wheel.name, wheel.read_bytes())]))
+    target = tmp_path / "site"
+    environment = {**os.environ, "IMPORT_TEST": "eaglenest_demo_mod", "PYTHON": sys.executable}
+    runs = [subprocess.Popen(["bash", str(REPO / "envs" / "sglang_wheels_install.sh"), str(archives), str(target)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment) for _ in range(2)]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert sorted("installed already" in output for output in outputs) == [False, True], outputs
+    assert all("import eaglenest_demo_mod: ok" in output for output in outputs)
+    assert (target / "eaglenest_demo_mod.py").read_text() == "VALUE = 7\n"
