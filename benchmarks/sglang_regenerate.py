@@ -17,6 +17,10 @@ the workflow's server then runs with, so that the ceiling and the run share thei
 the requests in each, decode steps, requests running, prefix-cache hits. Where generation
 time goes when answers end one at a time and each arrival gets a prefill pass of its own.
 
+``profile``: SGLang's own profile (torch profiler, ``/start_profile``) of the next steps of a
+busy server, the ceiling's plain one or the workflow's, broken down by scheduler stage with the
+GPU time of each (``eaglenest.sglang.profile.cycle_breakdown``): where a step's time goes.
+
 ``summary``: the workflow's regenerate stage (rule ``regenerate``, its server started by rule
 ``regenerate_server``) on the same conversations: every turn accounted for (from
 ``regenerate_report.json``), generated and kept tokens, the wall time from the server's
@@ -231,6 +235,32 @@ def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | Non
     return None
 
 
+def cmd_profile(options) -> int:
+    """SGLang's own profile of a busy server's next steps: the workflow's (``--record``: once
+    its service record says ready) or a plain one (``--url``), ``--after-s`` into its load."""
+    from eaglenest.sglang import launch, profile
+
+    url = options.url
+    if url is None:
+        deadline = time.time() + options.timeout_s
+        while (record := launch.read_service_record(options.record) or {}).get("state") != "ready":
+            if time.time() > deadline or record.get("state") in ("failed", "stopped"):
+                print(f"no ready server in {options.record}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        url = record["url"]
+    time.sleep(options.after_s)
+    result = {"url": url, "after_s": options.after_s, "steps": options.steps}
+    try:
+        trace = profile.profile_busy(url, options.steps, options.trace_dir, timeout_s=options.timeout_s)
+        result.update(trace=str(trace), breakdown=profile.cycle_breakdown(profile.read_trace(trace), skip_steps=1))
+    except (OSError, RuntimeError, ValueError) as err:  # the run goes on without its profile
+        result["error"] = f"{type(err).__name__}: {err}"
+    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result.get("breakdown") or result))
+    return 0 if "breakdown" in result else 1
+
+
 def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None,
                        server_log: Path | None = None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
@@ -315,10 +345,20 @@ def main(argv=None) -> int:
     watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
     watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")
     watch.add_argument("--out", required=True)
+    prof = commands.add_parser("profile", help="SGLang's profile of a busy server's next steps, broken down by stage")
+    where = prof.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", default=None, help="a server already answering (a ceiling's plain server)")
+    where.add_argument("--record", default=None, help="the workflow server's service record: profiled once it is ready")
+    prof.add_argument("--after-s", type=float, default=60.0, help="seconds into its load (after ready, with --record)")
+    prof.add_argument("--steps", type=int, default=32)
+    prof.add_argument("--trace-dir", required=True, help="where the server writes its trace")
+    prof.add_argument("--timeout-s", type=float, default=1800.0)
+    prof.add_argument("--out", required=True)
     options = parser.parse_args(argv)
     if options.command == "watch":
         return 0 if watch_ready(Path(options.record), Path(options.out)) is not None else 1
-    commands = {"ceiling": cmd_ceiling, "pick": cmd_pick, "schedule": cmd_schedule, "summary": cmd_summary}
+    commands = {"ceiling": cmd_ceiling, "pick": cmd_pick, "schedule": cmd_schedule, "summary": cmd_summary,
+                "profile": cmd_profile}
     return commands[options.command](options)
 
 

@@ -28,6 +28,9 @@
 # with its requests in flight shared by the shard jobs when it had its own N:
 # OUTDIR/server-flags.yaml),
 # SERVER_START_TIMEOUT_S (600: a plain server not answering /health by then is skipped),
+# PROFILE_STEPS (32; 0 = none: SGLang's profile of that many steps of each plain server,
+# CEILING_PROFILE_AFTER_S (10) into its ceiling, and of the workflow's, WORKFLOW_PROFILE_AFTER_S
+# (90) after it is ready -> OUTDIR/profile-*.json, broken down by stage; traces in OUTDIR/profiles/),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,11 +120,23 @@ measure_ceiling() {  # label, requests in flight, extra flags...
         return 1
     fi
     log "plain server up ($label: ${*:-the config flags})"
+    local profiler=
+    if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # SGLang's own profile of some steps under the ceiling's load
+        "$PY" benchmarks/sglang_regenerate.py profile --url http://127.0.0.1:30030 --after-s "${CEILING_PROFILE_AFTER_S:-10}" \
+            --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --timeout-s 120 --out "$OUT/profile-ceiling-$label.json" \
+            > /dev/null 2>&1 &
+        profiler=$!
+    fi
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
         --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
         --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
+    if [ -n "$profiler" ]; then  # a ceiling shorter than the wait leaves the profiler no steps: 30 s more at most
+        for _ in $(seq 1 30); do kill -0 "$profiler" 2>/dev/null || break; sleep 1; done
+        kill "$profiler" 2>/dev/null; wait "$profiler" 2>/dev/null
+        log "profile $label: $(tr -d '\n' < "$OUT/profile-ceiling-$label.json" 2>/dev/null | cut -c1-300)"
+    fi
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
     # The server's own account of its scheduling, read once it has stopped writing its log.
     "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" --into "$OUT/ceiling-$label.json" > /dev/null
@@ -145,11 +160,17 @@ fi
 
 "$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
 watcher=$!
+profiler=
+if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # the workflow's server, the same way, once well into its run
+    "$PY" benchmarks/sglang_regenerate.py profile --record "$RECORD" --after-s "${WORKFLOW_PROFILE_AFTER_S:-90}" \
+        --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --out "$OUT/profile-workflow.json" > /dev/null 2>&1 &
+    profiler=$!
+fi
 [ -n "${REGENERATE_TIMEOUT_S:-}" ] && LIMIT=(timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S")
 snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 rc=$?
 log "regenerate rc=$rc"
-kill $watcher 2>/dev/null
+kill $watcher $profiler 2>/dev/null
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
     --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"

@@ -161,3 +161,63 @@ def test_a_server_that_writes_no_trace_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="no trace in"):
         sglang_profile.profile_steps(server.url, 3, tmp_path, [3], timeout_s=30, trace_wait_s=1)
     server.server.shutdown()
+
+
+def others_request_once_profiling_starts(server: ProfilingServer) -> threading.Thread:
+    """Someone else's request, sent once the profile was asked for (a busy server's load)."""
+    import urllib.request
+
+    def send():
+        deadline = time.monotonic() + 30
+        while not any(path == "/start_profile" for path, _ in server.requests) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        body = json.dumps({"input_ids": [7], "sampling_params": {"max_new_tokens": 4}}).encode()
+        urllib.request.urlopen(urllib.request.Request(server.url + "/generate", data=body), timeout=30).read()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_a_busy_servers_next_steps_are_profiled_without_a_request_of_its_own(tmp_path):
+    server = ProfilingServer()
+    sender = others_request_once_profiling_starts(server)
+    trace = sglang_profile.profile_busy(server.url, 6, tmp_path, timeout_s=30)
+    sender.join(30)
+    assert [path for path, _ in server.requests] == ["/start_profile", "/generate"]
+    assert server.requests[1][1]["input_ids"] == [7]  # the other client's, not a probe
+    assert sglang_profile.cycle_breakdown(sglang_profile.read_trace(trace))["steps"] == 5
+    server.server.shutdown()
+
+
+def test_the_regeneration_driver_profiles_the_workflows_server_once_its_record_says_ready(tmp_path):
+    """benchmarks/sglang_regenerate.py profile --record: waits for the service record's ready
+    state, profiles the server it names, writes the breakdown; a server that cannot profile
+    leaves an error in the same file, not a crash."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sglang_regenerate
+
+    server = ProfilingServer()
+    record = tmp_path / "regenerate.json"
+    record.write_text(json.dumps({"state": "starting"}))
+
+    def ready_soon():
+        time.sleep(0.5)
+        record.write_text(json.dumps({"state": "ready", "url": server.url}))
+
+    threading.Thread(target=ready_soon, daemon=True).start()
+    sender = others_request_once_profiling_starts(server)
+    out = tmp_path / "profile-workflow.json"
+    assert sglang_regenerate.main(["profile", "--record", str(record), "--after-s", "0", "--steps", "4", "--trace-dir",
+                                   str(tmp_path / "traces"), "--timeout-s", "30", "--out", str(out)]) == 0
+    sender.join(30)
+    result = json.loads(out.read_text())
+    assert result["url"] == server.url and result["breakdown"]["steps"] == 3
+    assert set(result["breakdown"]["cpu_ms_per_step"]) >= {"scheduler.run_batch", "scheduler.get_next_batch_to_run"}
+    server.server.shutdown()
+    # No profiling route (a server that is not SGLang): the error is recorded, the exit status says so.
+    assert sglang_regenerate.main(["profile", "--url", "http://127.0.0.1:9", "--after-s", "0", "--trace-dir",
+                                   str(tmp_path / "traces"), "--timeout-s", "5", "--out", str(out)]) == 1
+    assert "error" in json.loads(out.read_text())

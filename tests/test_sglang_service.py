@@ -477,6 +477,10 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     summary = json.loads((out / "sglang_regenerate.json").read_text())["regenerate"]
     assert summary["shards_done"] == 2 and summary["accounted"] and summary["regenerated"] > 0
     assert summary["ceiling_tokens_per_s"] == ceiling["tokens_per_s"] and "schedule" in summary
+    # Each plain server was asked for SGLang's profile under its load; the stand-in has no
+    # profiler, which each result records while the run goes on.
+    for label in (0, 1):
+        assert "start_profile" in json.loads((out / f"profile-ceiling-{label}.json").read_text())["error"]
     # The packed folder holds the shards and their reports (a rerun's inputs).
     listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
                              check=True).stdout.split()

@@ -38,6 +38,23 @@ def _post(url: str, payload: dict, timeout_s: float) -> bytes:
         return response.read()
 
 
+def _start_request(output_dir: Path, steps: int) -> dict:
+    return {"output_dir": str(output_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": False,
+            "record_shapes": False}
+
+
+def _new_trace(output_dir: Path, before: set, steps: int, trace_wait_s: float) -> Path:
+    """The trace the server exports after its last profiled step (not one of ``before``)."""
+    deadline = time.monotonic() + trace_wait_s
+    while True:
+        new = sorted(set(output_dir.glob("*.trace.json*")) - before, key=lambda p: p.stat().st_mtime)
+        if new and _readable(new[-1]):
+            return new[-1]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trace in {output_dir} {trace_wait_s:.0f} s after {steps} profiled steps")
+        time.sleep(0.5)
+
+
 def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list[int], timeout_s: float,
                   trace_wait_s: float = 120.0) -> Path:
     """Profile ``steps`` forward steps of the server at ``url`` while it answers one prompt
@@ -51,8 +68,7 @@ def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list
 
     def start():  # may answer only once the steps are profiled
         try:
-            _post(base + "/start_profile", {"output_dir": str(output_dir), "num_steps": steps, "activities": ["CPU", "GPU"],
-                                            "with_stack": False, "record_shapes": False}, timeout_s)
+            _post(base + "/start_profile", _start_request(output_dir, steps), timeout_s)
         except Exception as err:  # reported below, once the generation is done
             errors.append(err)
 
@@ -67,14 +83,21 @@ def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list
     starter.join(timeout_s)
     if errors:
         raise RuntimeError(f"{base}/start_profile: {errors[0]}")
-    deadline = time.monotonic() + trace_wait_s
-    while True:  # the server exports the trace after its last step
-        new = sorted(set(output_dir.glob("*.trace.json*")) - before, key=lambda p: p.stat().st_mtime)
-        if new and _readable(new[-1]):
-            return new[-1]
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no trace in {output_dir} {trace_wait_s:.0f} s after {steps} profiled steps")
-        time.sleep(0.5)
+    return _new_trace(output_dir, before, steps, trace_wait_s)
+
+
+def profile_busy(url: str, steps: int, output_dir: str | Path, timeout_s: float, trace_wait_s: float = 120.0) -> Path:
+    """Profile the next ``steps`` forward steps of a server busy with others' requests (the
+    workflow's regeneration server, or a plain one under a ceiling's load), sending none of
+    its own; the trace file it wrote."""
+    output_dir = Path(output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    before = set(output_dir.glob("*.trace.json*"))
+    try:
+        _post(url.rstrip("/") + "/start_profile", _start_request(output_dir, steps), timeout_s)
+    except OSError as err:  # HTTPError, URLError, timeouts
+        raise RuntimeError(f"{url.rstrip('/')}/start_profile: {err}") from err
+    return _new_trace(output_dir, before, steps, trace_wait_s)
 
 
 def _readable(path: Path) -> bool:
