@@ -375,7 +375,7 @@ class OpenAIBackend:
         at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
         and hang up (a server without that route, vLLM's, aborts on the hang-up), so the
         server stops generating what the cut would throw away."""
-        text, finish_reason, usage = "", None, None
+        text, finish_reason, usage, fed = "", None, None, 0
         check = StreamedLoopCheck(self.tokenizer, self.settings.repetition_stop)
         for raw in response:
             line = raw.decode("utf-8").strip()
@@ -391,8 +391,9 @@ class OpenAIBackend:
             for choice in chunk.get("choices") or []:
                 text += (choice.get("delta") or {}).get("content") or ""
                 finish_reason = choice.get("finish_reason") or finish_reason
-            if not text:
+            if len(text) == fed:  # a finish or usage event: nothing new to check
                 continue
+            fed = len(text)
             cut = check.feed(text)
             if cut is not None:
                 self._abort(rid)
@@ -401,7 +402,8 @@ class OpenAIBackend:
                 return Generation(kept, "repetition", cut, attempt, generated_tokens=len(check.ids))
         if finish_reason in (None, "abort"):  # cut short: not an answer
             raise ValueError(f"stream ended without finishing (finish reason {finish_reason})")
-        completion_tokens = int((usage or {}).get("completion_tokens", 0))
+        # The server's count; a server that sends no usage event: the answer's tokens as read.
+        completion_tokens = int((usage or {}).get("completion_tokens", 0)) or len(check.ids)
         generation = Generation(text.strip(), finish_reason, completion_tokens, attempt, generated_tokens=completion_tokens)
         return self._without_loop(generation)
 
