@@ -183,7 +183,9 @@ def main(argv=None) -> int:
         rows.append({"check": name, "per_request_us": cost[key], "per_step_ms": round(per_step_ms, 2),
                      "share_of_step": round(per_step_ms / engine["step_ms"], 3)})
     result = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-              "regex": LOOP_REGEX.pattern, **cost, "engine": engine, "checks": rows}
+              "regex": LOOP_REGEX.pattern, **cost, "engine": engine, "checks": rows,
+              # The streamed check runs in the shard jobs, not the scheduler: CPU cores at the run's rate.
+              "client_streamed_check_cores": round(cost["client_streamed_check_us_per_token"] * engine["tokens_per_s"] / 1e6, 2)}
     Path(options.out).parent.mkdir(parents=True, exist_ok=True)
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"{cost['answers']} answers, {cost['checked_lengths']} output lengths (mean {cost['mean_output_tokens']} tokens); "
@@ -192,9 +194,6 @@ def main(argv=None) -> int:
     print(f"{'check':<36}{'us/request':>12}{'ms/step':>10}{'of step':>10}")
     for row in rows:
         print(f"{row['check']:<36}{row['per_request_us']:>12}{row['per_step_ms']:>10}{row['share_of_step']:>10.1%}")
-    # The streamed check runs in the shard jobs, not the scheduler: CPU cores at the run's rate.
-    result["client_streamed_check_cores"] = round(cost["client_streamed_check_us_per_token"] * engine["tokens_per_s"] / 1e6, 2)
-    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"client, streamed answers (a piece every {cost['stream_interval']} tokens): "
           f"{cost['client_streamed_check_us_per_answer']} us an answer, {cost['client_streamed_check_us_per_token']} us a token, "
           f"{result['client_streamed_check_cores']} cores at {engine['tokens_per_s']:,.0f} tokens/s")

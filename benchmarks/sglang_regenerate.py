@@ -219,35 +219,43 @@ def cmd_schedule(options) -> int:
     return 0
 
 
-def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | None:
-    """Wait until the service record of the workflow's server says ``ready``; write the
-    time (epoch seconds) to ``out``: generation starts there."""
+def ready_record(record: Path, timeout_s: float) -> dict | None:
+    """The service record of the workflow's server once it says ``ready``; None when it
+    says the server failed or stopped, or after ``timeout_s``."""
     from eaglenest.sglang import launch
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        state = (launch.read_service_record(record) or {}).get("state")
-        if state == "ready":
-            ready = time.time()
-            out.write_text(f"{ready}\n")
-            return ready
+        fields = launch.read_service_record(record) or {}
+        if fields.get("state") == "ready":
+            return fields
+        if fields.get("state") in ("failed", "stopped"):
+            return None
         time.sleep(0.2)
     return None
+
+
+def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | None:
+    """Wait until the service record of the workflow's server says ``ready``; write the
+    time (epoch seconds) to ``out``: generation starts there."""
+    if ready_record(record, timeout_s) is None:
+        return None
+    ready = time.time()
+    out.write_text(f"{ready}\n")
+    return ready
 
 
 def cmd_profile(options) -> int:
     """SGLang's own profile of a busy server's next steps: the workflow's (``--record``: once
     its service record says ready) or a plain one (``--url``), ``--after-s`` into its load."""
-    from eaglenest.sglang import launch, profile
+    from eaglenest.sglang import profile
 
     url = options.url
     if url is None:
-        deadline = time.time() + options.timeout_s
-        while (record := launch.read_service_record(options.record) or {}).get("state") != "ready":
-            if time.time() > deadline or record.get("state") in ("failed", "stopped"):
-                print(f"no ready server in {options.record}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+        record = ready_record(Path(options.record), options.timeout_s)
+        if record is None:
+            print(f"no ready server in {options.record}", file=sys.stderr)
+            return 1
         url = record["url"]
     time.sleep(options.after_s)
     result = {"url": url, "after_s": options.after_s, "steps": options.steps}

@@ -6,8 +6,8 @@
 # ARCHIVE_DIR holds what envs/sglang_wheels_download.py wrote (<list name>-<i>.tar.xz,
 # manifest.json). The workflow's own wheels (--list envs/workflow-node-wheels.txt) go into a
 # TARGET of their own, with IMPORT_TEST=snakemake:
-#   IMPORT_TEST=snakemake bash envs/sglang_wheels_install.sh .node-wheels /tmp/workflow-site Installs with `pip install --no-index --no-deps --target TARGET`, so
-# nothing of the node's own Python changes: the server runs with PYTHONPATH=TARGET on top of
+#   IMPORT_TEST=snakemake bash envs/sglang_wheels_install.sh .node-wheels /tmp/workflow-site
+# Installs with `pip install --no-index --no-deps --target TARGET`, so nothing of the node's own Python changes: the server runs with PYTHONPATH=TARGET on top of
 # the node's torch. Idempotent: an archive whose wheels are installed is skipped (stamps in
 # TARGET/.eaglenest-installed). Exit status: 0 when every import works.
 set -euo pipefail

@@ -43,6 +43,13 @@ def _start_request(output_dir: Path, steps: int) -> dict:
             "record_shapes": False}
 
 
+def _trace_dir(output_dir: str | Path) -> tuple[Path, set]:
+    """The directory the server is to write its trace into, made, and the traces already there."""
+    output_dir = Path(output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    return output_dir, set(output_dir.glob("*.trace.json*"))
+
+
 def _new_trace(output_dir: Path, before: set, steps: int, trace_wait_s: float) -> Path:
     """The trace the server exports after its last profiled step (not one of ``before``)."""
     deadline = time.monotonic() + trace_wait_s
@@ -60,9 +67,7 @@ def profile_steps(url: str, steps: int, output_dir: str | Path, prompt_ids: list
     """Profile ``steps`` forward steps of the server at ``url`` while it answers one prompt
     alone (greedy, ``ignore_eos``, long enough to cover them); the trace file it wrote, waited
     for up to ``trace_wait_s`` after the answer."""
-    output_dir = Path(output_dir).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    before = set(output_dir.glob("*.trace.json*"))
+    output_dir, before = _trace_dir(output_dir)
     base = url.rstrip("/")
     errors = []
 
@@ -90,9 +95,7 @@ def profile_busy(url: str, steps: int, output_dir: str | Path, timeout_s: float,
     """Profile the next ``steps`` forward steps of a server busy with others' requests (the
     workflow's regeneration server, or a plain one under a ceiling's load), sending none of
     its own; the trace file it wrote."""
-    output_dir = Path(output_dir).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    before = set(output_dir.glob("*.trace.json*"))
+    output_dir, before = _trace_dir(output_dir)
     try:
         _post(url.rstrip("/") + "/start_profile", _start_request(output_dir, steps), timeout_s)
     except OSError as err:  # HTTPError, URLError, timeouts

@@ -112,10 +112,15 @@ LOOP_MAX_PERIOD = 64
 LOOP_MIN_TOKENS = 16
 
 
+def shortest_period(repeats: int) -> int:
+    """The shortest span whose ``repeats`` copies cover LOOP_MIN_TOKENS."""
+    return max(1, -(-LOOP_MIN_TOKENS // repeats))
+
+
 def loop_periods(length: int, repeats: int):
     """The span lengths a loop can have at the end of ``length`` tokens: 1..LOOP_MAX_PERIOD,
     with ``repeats`` copies fitting in ``length`` and covering LOOP_MIN_TOKENS or more."""
-    for period in range(max(1, -(-LOOP_MIN_TOKENS // repeats)), LOOP_MAX_PERIOD + 1):
+    for period in range(shortest_period(repeats), LOOP_MAX_PERIOD + 1):
         if period * repeats > length:
             return
         yield period
@@ -144,7 +149,7 @@ def first_loop_cut(tokens: list[int], repeats: int, start: int = 0) -> int | Non
     The same as calling :func:`loop_cut` at every length, but each length only tries the spans
     that end its copies on the same token (where the newest token occurred before), nearest
     first: a streamed answer is checked as it grows, in the client, for every answer."""
-    shortest = next(loop_periods(LOOP_MAX_PERIOD * repeats, repeats))
+    shortest = shortest_period(repeats)
     first = min(max(LOOP_MIN_TOKENS, start), len(tokens))
     seen: dict[int, list[int]] = {}  # token -> where it occurred, ascending
     for i in range(max(0, first - 1 - LOOP_MAX_PERIOD), max(0, first - 1)):
