@@ -378,8 +378,8 @@ class OpenAIBackend:
     def _read_stream(self, response, rid: str, attempt: int) -> Generation:
         """Read a streamed answer (server-sent events) and check it for a loop as it grows;
         at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
-        and hang up (a server without that route, vLLM's, aborts on the hang-up), so the
-        server stops generating what the cut would throw away."""
+        and hang up (what a server without that route sees), so the server stops generating
+        what the cut would throw away (docs/regeneration.md has the servers' source lines)."""
         text, finish_reason, usage, fed = "", None, None, 0
         check = StreamedLoopCheck(self.tokenizer, self.settings.repetition_stop)
         for raw in response:
