@@ -205,6 +205,12 @@ def test_every_launcher_flag_exists_in_pinned_server_args(sglang_src):
     config["extract"]["sglang"]["extra_args"] = ["--dtype", "float16"]
     command = sglang_launch.launch_command(config, capture, python="python", sglang_version="0.5.23")
     assert command.count("--dtype") == 1 and command[command.index("--dtype") + 1] == "float16"
+    # no grammar backend to import unless the user names one (eaglenest sends no constraints)
+    assert command[command.index("--grammar-backend") + 1] == "none"
+    config["extract"]["sglang"]["extra_args"] = ["--grammar-backend", "xgrammar"]
+    for mode in ("capture", "serve"):
+        command = sglang_launch.launch_command(config, sglang_launch.capture_settings(config, mode), python="python", sglang_version="0.5.23")
+        assert command.count("--grammar-backend") == 1 and command[command.index("--grammar-backend") + 1] == "xgrammar"
 
 
 ARCHITECTURE_SOURCES = {

@@ -162,12 +162,17 @@ def launch_command(
         "--port", str(address.port or 30000),
         "--tp-size", str(capture["tensor_parallel"]),
     ]
-    dtype = [] if "--dtype" in map(str, settings["extra_args"]) else ["--dtype", "bfloat16"]
+    flags = list(map(str, settings["extra_args"]))
+    dtype = [] if "--dtype" in flags else ["--dtype", "bfloat16"]
+    # eaglenest sends no constrained requests; SGLang builds its grammar backend (xgrammar by
+    # default, srt/server_args.py:4842-4844) at start and imports it there
+    # (srt/constrained/base_grammar_backend.py:246-247), so an install without it fails to start.
+    grammar = [] if "--grammar-backend" in flags else ["--grammar-backend", "none"]
     if capture.get("mode") == "serve":
         # Generation as SGLang serves it by default: the radix cache reuses a conversation's
         # earlier turns, chunked prefill and CUDA graphs as they come.
         spec = speculative_flags(speculative) if speculative is not None else []
-        return [*server, *dtype, *map(str, settings["extra_args"]), *spec]
+        return [*server, *dtype, *grammar, *flags, *spec]
     if sglang_version == "0.5.14":
         # No draft-less aux capture there: the patch sets the capture layers itself
         # (EAGLENEST_CAPTURE), and return_hidden_states needs the server-wide switch.
@@ -188,7 +193,8 @@ def launch_command(
         "--cuda-graph-max-bs-prefill", str(settings["prefill_tokens"]),
         *capture_flags,
         *dtype,
-        *map(str, settings["extra_args"]),
+        *grammar,
+        *flags,
     ]
 
 
