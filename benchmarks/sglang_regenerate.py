@@ -11,7 +11,9 @@ alone on prompts of the workflow's lengths.
 
 ``pick``: of several ceilings measured with different server flags (``CEILING_SWEEP``), the
 fastest; writes it as the run's ceiling and as a config overlay whose ``extract.sglang.extra_args``
-the workflow's server then runs with, so that the ceiling and the run share their flags.
+the workflow's server then runs with, so that the ceiling and the run share their flags. A
+sweep entry's ``NAME=VALUE`` words (SGLang reads some scheduler knobs only from the
+environment) went into its server's environment; the fastest's go under ``extract.sglang.env``.
 
 ``schedule``: what an SGLang server's own log says about its scheduling: prefill passes and
 the requests in each, decode steps, requests running, prefix-cache hits. Where generation
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -54,6 +57,8 @@ sys.path.insert(0, str(REPO))
 # The transformers backend's regeneration speed (docs/regeneration.md: SmolLM2-135M on one
 # H200, 2026-11-29, 8 shard jobs side by side); not remeasured in this run.
 TRANSFORMERS_NEW_TOKENS_PER_S = 1950
+# A CEILING_SWEEP word that sets the plain server's environment rather than a flag.
+ENV_WORD = re.compile(r"(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>\S*)")
 
 
 def sample_prompts(conversations_path: str, model_path: str, max_len: int, count: int, seed: int,
@@ -84,7 +89,10 @@ def sample_prompts(conversations_path: str, model_path: str, max_len: int, count
     return prompts, skipped
 
 
-def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurrency: int, seed: int) -> dict:
+def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurrency: int, seed: int,
+                    on_load_start=None) -> dict:
+    """The generation speed of ``concurrency`` requests in flight, after one warm-up request;
+    ``on_load_start`` is called as the first measured request goes out."""
     endpoint = url.rstrip("/") + "/v1/chat/completions"
 
     def ask(indexed):
@@ -96,6 +104,8 @@ def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurr
         return int(answer["usage"]["completion_tokens"]), answer["choices"][0].get("finish_reason")
 
     ask((0, prompts[0]))  # warm-up
+    if on_load_start is not None:
+        on_load_start()
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         answers = list(pool.map(ask, enumerate(prompts)))
@@ -108,6 +118,26 @@ def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurr
             "tokens_per_s": round(generated / seconds, 1), "finish_reasons": reasons}
 
 
+def mark_now(path: str | Path) -> None:
+    """Write the time into ``path`` in one step (a renamed temporary file): whoever waits
+    for it sees it whole or not at all."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{time.time()}\n")
+    os.replace(partial, path)
+
+
+def server_env(words: str) -> dict:
+    """``NAME=VALUE`` words (a sweep entry's environment) as a dict; anything else is refused."""
+    env = {}
+    for word in words.split():
+        found = ENV_WORD.fullmatch(word)
+        if not found:
+            raise ValueError(f"not an environment entry (NAME=VALUE): {word!r}")
+        env[found["name"]] = found["value"]
+    return env
+
+
 def cmd_ceiling(options) -> int:
     from eaglenest.node.recon.config import load_config
 
@@ -116,33 +146,47 @@ def cmd_ceiling(options) -> int:
     prompts, skipped = sample_prompts(options.conversations, options.model_path, config["data"]["max_len"],
                                       options.prompts, options.seed, options.turns)
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
+    # The profiler waits for the load itself, not for the warm-up (flashinfer may build its
+    # kernels in it, for minutes on a fresh node).
+    on_load_start = (lambda: mark_now(options.load_started)) if options.load_started else None
     result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
-                             options.seed)
+                             options.seed, on_load_start)
     result.update(sampling=sampling, turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,
-                  server_flags=options.server_flags.split())
+                  server_flags=options.server_flags.split(), server_env=server_env(options.server_env))
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return 0
 
 
-def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, base_concurrency: int) -> tuple[dict, dict]:
+def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, base_concurrency: int,
+                 config_env: dict | None = None) -> tuple[dict, dict]:
     """(the fastest ceiling with the others under ``sweep``, the overlay that gives the
-    workflow's server its flags: the config's ``extract.sglang.extra_args`` and the best's).
-    A best measured at another number of requests in flight than ``base_concurrency`` also
-    sets ``regenerate.concurrency``: that number shared by the shard jobs, which all run
-    side by side against the one server."""
+    workflow's server its flags: the config's ``extract.sglang.extra_args`` and the best's;
+    and, when the best ran with an environment of its own, ``extract.sglang.env``: the
+    config's ``config_env`` with the best's over it). A best measured at another number of
+    requests in flight than ``base_concurrency`` also sets ``regenerate.concurrency``: that
+    number shared by the shard jobs, which all run side by side against the one server."""
     best = max(ceilings, key=lambda ceiling: ceiling["tokens_per_s"])
-    sweep = [{"server_flags": c.get("server_flags", []), "concurrency": c["concurrency"], "tokens_per_s": c["tokens_per_s"],
-              "seconds": c["seconds"], "schedule": c.get("schedule")} for c in ceilings]
+    sweep = [{"server_flags": c.get("server_flags", []), "server_env": c.get("server_env", {}), "concurrency": c["concurrency"],
+              "tokens_per_s": c["tokens_per_s"], "seconds": c["seconds"], "schedule": c.get("schedule")} for c in ceilings]
     overlay = {"extract": {"sglang": {"extra_args": list(extra_args) + list(best.get("server_flags", []))}}}
+    if best.get("server_env"):
+        overlay["extract"]["sglang"]["env"] = {**(config_env or {}), **best["server_env"]}
     if best["concurrency"] != base_concurrency:
         overlay["regenerate"] = {"concurrency": max(1, round(best["concurrency"] / num_shards))}
     return {**best, "sweep": sweep}, overlay
 
 
+def server_settings(entry: dict) -> str:
+    """A ceiling's environment and flags beyond the config's, as the sweep entry spelled them."""
+    words = [f"{name}={value}" for name, value in entry.get("server_env", {}).items()] + list(entry.get("server_flags", []))
+    return " ".join(words) or "(the config flags alone)"
+
+
 def cmd_pick(options) -> int:
     import yaml
 
+    from eaglenest import plan
     from eaglenest.node.recon.config import load_config
 
     config = load_config(REPO, options.config)
@@ -150,18 +194,16 @@ def cmd_pick(options) -> int:
     if not ceilings:
         print("no ceiling was measured", file=sys.stderr)
         return 1
-    from eaglenest import plan
-
-    best, overlay = pick_ceiling(ceilings, config["extract"]["sglang"].get("extra_args") or [], plan.num_shards(config),
-                                 options.base_concurrency)
+    sglang = config["extract"]["sglang"]
+    best, overlay = pick_ceiling(ceilings, sglang.get("extra_args") or [], plan.num_shards(config), options.base_concurrency,
+                                 sglang.get("env"))
     Path(options.out).write_text(json.dumps(best, indent=1) + "\n")
     Path(options.overlay).write_text(
         "# The regeneration server's flags: the ceiling sweep's fastest (benchmarks/sglang_regenerate.py pick)\n"
         + yaml.safe_dump(overlay, sort_keys=False))
     for entry in best["sweep"]:
-        flags = " ".join(entry["server_flags"]) or "(the config flags alone)"
-        print(f"{entry['tokens_per_s']:>10} tok/s  {entry['concurrency']:>4} in flight  {flags}")
-    print(f"picked: {' '.join(best.get('server_flags', [])) or '(the config flags alone)'}, {best['concurrency']} in flight")
+        print(f"{entry['tokens_per_s']:>10} tok/s  {entry['concurrency']:>4} in flight  {server_settings(entry)}")
+    print(f"picked: {server_settings(best)}, {best['concurrency']} in flight")
     return 0
 
 
@@ -245,9 +287,20 @@ def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | Non
     return ready
 
 
+def wait_for_file(path: Path, timeout_s: float) -> bool:
+    """Whether ``path`` exists within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def cmd_profile(options) -> int:
     """SGLang's own profile of a busy server's next steps: the workflow's (``--record``: once
-    its service record says ready) or a plain one (``--url``), ``--after-s`` into its load."""
+    its service record says ready) or a plain one (``--url``), ``--after-s`` into its load
+    (with ``--wait-for``: after that file appears, the ceiling client's mark of its load)."""
     from eaglenest.sglang import profile
 
     url = options.url
@@ -257,9 +310,13 @@ def cmd_profile(options) -> int:
             print(f"no ready server in {options.record}", file=sys.stderr)
             return 1
         url = record["url"]
-    time.sleep(options.after_s)
     result = {"url": url, "after_s": options.after_s, "steps": options.steps}
     try:
+        if options.wait_for:  # --after-s counts from the load's start, not from the server's
+            result["counted_from"] = options.wait_for
+            if not wait_for_file(Path(options.wait_for), options.timeout_s):
+                raise RuntimeError(f"no {options.wait_for} after {options.timeout_s:.0f} s: the load never started")
+        time.sleep(options.after_s)
         trace = profile.profile_busy(url, options.steps, options.trace_dir, timeout_s=options.timeout_s)
         result.update(trace=str(trace), breakdown=profile.cycle_breakdown(profile.read_trace(trace), skip_steps=1))
     except (OSError, RuntimeError, ValueError) as err:  # the run goes on without its profile
@@ -332,6 +389,10 @@ def main(argv=None) -> int:
                          help="sample the prompts of every assistant turn (default) or of first turns only")
     ceiling.add_argument("--server-flags", default="",
                          help="the flags the server runs with beyond the config's, recorded (--server-flags=\"--a b\")")
+    ceiling.add_argument("--server-env", default="",
+                         help="NAME=VALUE words the server's environment has beyond the config's, recorded")
+    ceiling.add_argument("--load-started", default=None,
+                         help="a file written as the first measured request goes out, after the warm-up (profile --wait-for)")
     ceiling.add_argument("--out", required=True)
     pick = commands.add_parser("pick", help="the fastest of several ceilings, and its flags as a config overlay")
     pick.add_argument("--ceilings", nargs="+", required=True)
@@ -357,10 +418,13 @@ def main(argv=None) -> int:
     where = prof.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", default=None, help="a server already answering (a ceiling's plain server)")
     where.add_argument("--record", default=None, help="the workflow server's service record: profiled once it is ready")
-    prof.add_argument("--after-s", type=float, default=60.0, help="seconds into its load (after ready, with --record)")
+    prof.add_argument("--after-s", type=float, default=60.0,
+                      help="seconds into its load (after ready, with --record; after --wait-for's file appears, with it)")
+    prof.add_argument("--wait-for", default=None,
+                      help="a file that appears when the load starts (ceiling --load-started); waited for up to --timeout-s")
     prof.add_argument("--steps", type=int, default=32)
     prof.add_argument("--trace-dir", required=True, help="where the server writes its trace")
-    prof.add_argument("--timeout-s", type=float, default=1800.0)
+    prof.add_argument("--timeout-s", type=float, default=1800.0, help="for the record, the --wait-for file and the profile each")
     prof.add_argument("--out", required=True)
     options = parser.parse_args(argv)
     if options.command == "watch":

@@ -23,14 +23,17 @@
 # Knobs (environment): CEILING_PROMPTS (2048; 0 skips the ceiling), CEILING_CONCURRENCY (the
 # requests the workflow keeps in flight: regenerate.concurrency x the number of shards),
 # CEILING_SWEEP (flag sets separated by ";", each measured by a plain server of its own on top
-# of the config's flags; FLAGS@N measures that set at N requests in flight; the fastest of them
-# and the config's own becomes the ceiling, and the regeneration server runs with its flags, and
-# with its requests in flight shared by the shard jobs when it had its own N:
-# OUTDIR/server-flags.yaml),
+# of the config's flags; FLAGS@N measures that set at N requests in flight; words NAME=VALUE
+# (NAME of [A-Z_][A-Z0-9_]*) go into that server's environment, not its flags, for the knobs
+# SGLang reads only from there, e.g. "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1
+# --scheduler-recv-interval 16@1008"; the fastest of them and the config's own becomes the
+# ceiling, and the regeneration server runs with its flags and environment, and with its
+# requests in flight shared by the shard jobs when it had its own N: OUTDIR/server-flags.yaml),
 # SERVER_START_TIMEOUT_S (600: a plain server not answering /health by then is skipped),
 # PROFILE_STEPS (32; 0 = none: SGLang's profile of that many steps of each plain server,
-# CEILING_PROFILE_AFTER_S (10) into its ceiling, and of the workflow's, WORKFLOW_PROFILE_AFTER_S
-# (90) after it is ready -> OUTDIR/profile-*.json, broken down by stage; traces in OUTDIR/profiles/),
+# CEILING_PROFILE_AFTER_S (5) after its ceiling's load started (the client's warm-up request
+# done), and of the workflow's, WORKFLOW_PROFILE_AFTER_S (90) after it is ready ->
+# OUTDIR/profile-*.json, broken down by stage and forward mode; traces in OUTDIR/profiles/),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,18 +83,36 @@ shards = os.environ.get("SHARDS", "").split()  # a subset: those shards only (a 
 targets = [run_layout.regenerated_path(f"shard-{int(shard):05d}.jsonl") for shard in shards]
 print("TARGETS=(" + " ".join(shlex.quote(t) for t in targets) + ")")
 print("PLAIN=(" + " ".join(shlex.quote(part) for part in command) + ")")
+# The config's own server environment (extract.sglang.env, where the schema has it): every plain server's.
+env = config["extract"]["sglang"].get("env") or {}
+print("CONFIG_ENV=(" + " ".join(shlex.quote(f"{name}={value}") for name, value in env.items()) + ")")
 PYTHON
 )" || { log "config unreadable"; exit 1; }
 printf '%s\n' "${CONFIGS[@]}" > "$OUT/configs.txt"
 if [ ${#TARGETS[@]} -gt 0 ]; then UNTIL=("${TARGETS[@]}"); else UNTIL=(--until regenerate_report); fi
+# One CEILING_SWEEP entry, [NAME=VALUE...] [FLAGS...][@IN_FLIGHT], split: the NAME=VALUE words
+# go into the plain server's environment (SGLang reads some scheduler knobs only from there).
+split_entry() {  # entry, default requests in flight -> ENTRY_IN_FLIGHT, ENTRY_ENV, ENTRY_FLAGS
+    local entry="$1" word words
+    ENTRY_IN_FLIGHT="$2"
+    ENTRY_ENV=()
+    ENTRY_FLAGS=()
+    [[ "$entry" == *@* ]] && ENTRY_IN_FLIGHT="${entry##*@}" && entry="${entry%@*}"
+    read -r -a words <<< "$entry"
+    for word in "${words[@]}"; do
+        if [[ "$word" =~ ^[A-Z_][A-Z0-9_]*= ]]; then ENTRY_ENV+=("$word"); else ENTRY_FLAGS+=("$word"); fi
+    done
+}
 if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
+    [ ${#CONFIG_ENV[@]} = 0 ] || echo "ceiling server environment: ${CONFIG_ENV[*]}" | tee -a "$OUT/steps.log"
     IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
     for entry in "${SWEEP[@]}"; do
-        in_flight="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
-        [[ "$entry" == *@* ]] && in_flight="${entry##*@}" && entry="${entry%@*}"
-        echo "ceiling server: ${PLAIN[*]} $entry" | tee -a "$OUT/steps.log"
-        echo "ceiling requests in flight: $in_flight" | tee -a "$OUT/steps.log"
+        split_entry "$entry" "${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
+        echo "ceiling server: ${PLAIN[*]} ${ENTRY_FLAGS[*]}" | tee -a "$OUT/steps.log"
+        server_env=("${CONFIG_ENV[@]}" "${ENTRY_ENV[@]}")
+        [ ${#server_env[@]} = 0 ] || echo "ceiling server environment: ${server_env[*]}" | tee -a "$OUT/steps.log"
+        echo "ceiling requests in flight: $ENTRY_IN_FLIGHT" | tee -a "$OUT/steps.log"
     done
     snakemake_run "${UNTIL[@]}" -n --quiet rules 2>&1 | tee -a "$OUT/steps.log"
     exit "${PIPESTATUS[0]}"
@@ -103,9 +124,15 @@ log "target converted rc=$?"
 
 IN_FLIGHT="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
-measure_ceiling() {  # label, requests in flight, extra flags...
-    local label="$1" in_flight="$2"; shift 2
-    "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
+measure_ceiling() {  # label, requests in flight, environment words (one string), extra flags...
+    local label="$1" in_flight="$2" env_words; shift 2
+    read -r -a env_words <<< "$1"; shift
+    local settings="${env_words[*]}${env_words[*]:+ }$*"  # as the sweep entry spelled them, for the log
+    settings="${settings:-the config flags}"
+    local load_started="$OUT/ceiling-$label.load-started"  # written by the client as its load starts
+    rm -f "$load_started"
+    # env: the environment for this server alone (the config's, then the entry's over it).
+    env "${CONFIG_ENV[@]}" "${env_words[@]}" "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
     local plain=$!
     local deadline=$((SECONDS + ${SERVER_START_TIMEOUT_S:-600})) up=0
     while [ $SECONDS -lt $deadline ]; do
@@ -115,22 +142,25 @@ measure_ceiling() {  # label, requests in flight, extra flags...
         sleep 1
     done
     if [ $up = 0 ]; then  # died or never ready: this flag set has no ceiling, the sweep goes on
-        log "plain server not up ($label: ${*:-the config flags}): $(tail -n 3 "$OUT/ceiling-server-$label.log" | tr '\n' ' ' | cut -c1-300)"
+        log "plain server not up ($label: $settings): $(tail -n 3 "$OUT/ceiling-server-$label.log" | tr '\n' ' ' | cut -c1-300)"
         kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
         return 1
     fi
-    log "plain server up ($label: ${*:-the config flags})"
+    log "plain server up ($label: $settings)"
     local profiler=
     if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # SGLang's own profile of some steps under the ceiling's load
-        "$PY" benchmarks/sglang_regenerate.py profile --url http://127.0.0.1:30030 --after-s "${CEILING_PROFILE_AFTER_S:-10}" \
-            --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --timeout-s 120 --out "$OUT/profile-ceiling-$label.json" \
-            > /dev/null 2>&1 &
+        # Counted from the load's start: the client's warm-up request before it may take minutes
+        # (flashinfer builds its kernels at first use); the profiler is stopped 30 s after the
+        # ceiling in any case.
+        "$PY" benchmarks/sglang_regenerate.py profile --url http://127.0.0.1:30030 --wait-for "$load_started" \
+            --after-s "${CEILING_PROFILE_AFTER_S:-5}" --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --timeout-s 900 \
+            --out "$OUT/profile-ceiling-$label.json" > /dev/null 2>&1 &
         profiler=$!
     fi
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
         --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
-        --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
+        --server-env="${env_words[*]}" --load-started "$load_started" --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     if [ -n "$profiler" ]; then  # a ceiling shorter than the wait leaves the profiler no steps: 30 s more at most
         for _ in $(seq 1 30); do kill -0 "$profiler" 2>/dev/null || break; sleep 1; done
@@ -142,17 +172,15 @@ measure_ceiling() {  # label, requests in flight, extra flags...
     "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" --into "$OUT/ceiling-$label.json" > /dev/null
 }
 if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
-    measure_ceiling 0 "$IN_FLIGHT"
+    measure_ceiling 0 "$IN_FLIGHT" ""
     IFS=';' read -r -a SWEEP <<< "${CEILING_SWEEP:-}"
     label=0
-    for entry in "${SWEEP[@]}"; do  # FLAGS[@IN_FLIGHT]
+    for entry in "${SWEEP[@]}"; do  # [NAME=VALUE...] FLAGS[@IN_FLIGHT]
         label=$((label + 1))
-        in_flight="$IN_FLIGHT"
-        [[ "$entry" == *@* ]] && in_flight="${entry##*@}" && entry="${entry%@*}"
-        read -r -a words <<< "$entry"
-        measure_ceiling "$label" "$in_flight" "${words[@]}"
+        split_entry "$entry" "$IN_FLIGHT"
+        measure_ceiling "$label" "$ENTRY_IN_FLIGHT" "${ENTRY_ENV[*]}" "${ENTRY_FLAGS[@]}"
     done
-    # The fastest is the run's ceiling, and its flags the workflow server's (an overlay).
+    # The fastest is the run's ceiling, and its flags and environment the workflow server's (an overlay).
     "$PY" benchmarks/sglang_regenerate.py pick --ceilings "$OUT"/ceiling-[0-9]*.json --config "${CONFIGS[@]}" \
         --base-concurrency "$IN_FLIGHT" --out "$OUT/ceiling.json" --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
     [ -e "$OUT/server-flags.yaml" ] && CONFIGS+=("$OUT/server-flags.yaml")

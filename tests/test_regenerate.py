@@ -464,10 +464,14 @@ def test_the_regeneration_ceiling_asks_a_server_the_stages_prompts_with_the_runs
     out = tmp_path / "ceiling.json"
     assert sglang_regenerate.main(["ceiling", "--url", url, "--conversations", str(conversations), "--model-path",
                                    str(tiny_llama), "--config", str(configfile), "--prompts", "5", "--concurrency", "3",
-                                   "--out", str(out)]) == 0
+                                   "--server-flags=--scheduler-recv-interval 16",
+                                   "--server-env=SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1",
+                                   "--load-started", str(tmp_path / "load-started"), "--out", str(out)]) == 0
     ceiling = json.loads(out.read_text())
     assert ceiling["prompts"] == 5 and ceiling["sampling"] == {"temperature": 0.7, "top_p": 0.9, "max_tokens": 6}
-    assert ceiling["turns"] == "all"
+    assert ceiling["turns"] == "all" and ceiling["server_flags"] == ["--scheduler-recv-interval", "16"]
+    assert ceiling["server_env"] == {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}
+    assert float((tmp_path / "load-started").read_text()) > 0
     assert 0 < ceiling["generated_tokens"] <= 5 * 6 and ceiling["tokens_per_s"] > 0
     assert sum(ceiling["finish_reasons"].values()) == 5
     # First turns only: every message before the first assistant turn.
@@ -585,6 +589,56 @@ def test_a_servers_log_tells_its_prefill_passes_and_decode_steps(tmp_path):
     assert (schedule["first_line"], schedule["last_line"]) == ("2026-12-03 18:50:01", "2026-12-03 18:50:03")
 
 
+class CountingChatServer:
+    """Answers chat completions (one token each) and notes, per request, whether ``marker``
+    existed when it arrived."""
+
+    def __init__(self, marker: Path):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.marker_seen = []
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                owner.marker_seen.append(marker.exists())
+                body = json.dumps({"usage": {"completion_tokens": 1}, "choices": [{"finish_reason": "stop"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_ceiling_marks_its_loads_start_after_the_warm_up_request(tmp_path):
+    """The profiler of a ceiling waits for this mark: the warm-up request (minutes on a fresh
+    node, while flashinfer builds its kernels) goes out before it, every measured one after."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    marker = tmp_path / "load-started"
+    server = CountingChatServer(marker)
+    prompts = [[{"role": "user", "content": f"q{k}"}] for k in range(6)]
+    result = sglang_regenerate.measure_ceiling(server.url, "tiny", prompts, {"max_tokens": 1}, concurrency=3, seed=0,
+                                               on_load_start=lambda: sglang_regenerate.mark_now(marker))
+    server.server.shutdown()
+    assert result["prompts"] == 6 and result["generated_tokens"] == 6
+    assert server.marker_seen == [False] + [True] * 6  # the warm-up, then the load
+    assert sglang_regenerate.server_env("A_1=x B=") == {"A_1": "x", "B": ""}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        sglang_regenerate.server_env("--scheduler-recv-interval")
+
+
 def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     import sys
 
@@ -606,6 +660,41 @@ def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     best, overlay = sglang_regenerate.pick_ceiling(ceilings, [], num_shards=18, base_concurrency=256)
     assert best["concurrency"] == 512 and overlay["regenerate"] == {"concurrency": 28}
     assert overlay["extract"]["sglang"]["extra_args"] == ["--cuda-graph-max-bs-decode", "512"]
+    # A best that ran with an environment of its own: that environment over the config's.
+    ceilings.append({"server_flags": ["--scheduler-recv-interval", "16"], "concurrency": 256, "tokens_per_s": 50000.0,
+                     "seconds": 10.0, "server_env": {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}})
+    best, overlay = sglang_regenerate.pick_ceiling(ceilings, [], num_shards=18, base_concurrency=256,
+                                                   config_env={"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1000",
+                                                               "SGLANG_OTHER": "x"})
+    assert overlay["extract"]["sglang"]["env"] == {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1", "SGLANG_OTHER": "x"}
+    assert [entry["server_env"] for entry in best["sweep"]] == [{}] * 4 + [best["server_env"]]
+
+
+def test_the_picked_ceilings_environment_goes_into_the_overlay(tmp_path, capsys):
+    """pick writes the fastest's NAME=VALUE words under extract.sglang.env and shows them in its
+    table; the overlay is a config the workflow takes."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+    from eaglenest.node.recon.config import load_config
+
+    env = {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}
+    paths = []
+    for label, (flags, server_env, speed) in enumerate([([], {}, 20000.0), (["--enable-prefill-delayer"], env, 30000.0)]):
+        paths.append(tmp_path / f"ceiling-{label}.json")
+        paths[-1].write_text(json.dumps({"server_flags": flags, "server_env": server_env, "concurrency": 192,
+                                         "tokens_per_s": speed, "seconds": 10.0}))
+    overlay_path, out = tmp_path / "server-flags.yaml", tmp_path / "ceiling.json"
+    assert sglang_regenerate.main(["pick", "--ceilings", *map(str, paths), "--config", str(DEFAULT_CONFIG),
+                                   "--base-concurrency", "192", "--out", str(out), "--overlay", str(overlay_path)]) == 0
+    table = capsys.readouterr().out
+    assert "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --enable-prefill-delayer" in table
+    assert "(the config flags alone)" in table
+    overlay = yaml.safe_load(overlay_path.read_text())
+    assert overlay["extract"]["sglang"] == {"extra_args": ["--enable-prefill-delayer"], "env": env}
+    config = load_config(REPO, [str(DEFAULT_CONFIG), str(overlay_path)])
+    assert config["extract"]["sglang"]["extra_args"] == ["--enable-prefill-delayer"] and config["extract"]["sglang"]["env"] == env
 
 
 def test_the_loop_stop_cost_benchmark_times_checks_that_find_the_loops_the_cut_finds(tmp_path):

@@ -39,6 +39,16 @@ def test_plugin_record_is_found_by_the_entry_point_loader_sglang_uses(tmp_path):
     assert names == [sglang_patch.PLUGIN_NAME] and is_register and settings == capture
 
 
+def test_the_server_environment_carries_the_configs_env_under_the_plugins_own(tmp_path):
+    capture = {"spool_dir": str(tmp_path / "spool"), "target": "t", "layer_ids": [2], "hidden_size": 8}
+    extra = {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1", sglang_patch.SETTINGS_ENV: "{}"}
+    env = sglang_launch.server_environment(capture, tmp_path, base={"PATH": "/bin", "SGLANG_X": "base"}, extra=extra)
+    assert env["SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT"] == "1" and env["PATH"] == "/bin" and env["SGLANG_X"] == "base"
+    # what the plugin reads is the launcher's, whatever the config says
+    assert json.loads(env[sglang_patch.SETTINGS_ENV]) == capture
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+
+
 def test_plugin_does_nothing_in_servers_not_started_by_the_launcher(monkeypatch):
     monkeypatch.delenv(sglang_patch.SETTINGS_ENV, raising=False)
     assert sglang_patch.register() is None  # would raise here: sglang is not installed

@@ -406,15 +406,21 @@ def test_every_launcher_flag_exists_in_sglang_0514_server_args(sglang_0514_src):
 
 
 def test_the_regeneration_sweep_and_server_flags_name_flags_sglang_0514_has(sglang_0514_src):
-    """docs/regeneration.md's CEILING_SWEEP and the regeneration server's flags in
+    """docs/regeneration.md's CEILING_SWEEP commands and the regeneration server's flags in
     config/h200/regenerated-sampled-server.yaml: every flag is a field of 0.5.14's ServerArgs
-    (its parser makes --a-b of field a_b)."""
+    (its parser makes --a-b of field a_b), every environment word a variable of its environ.py."""
     import re
 
-    (line,) = [line for line in (REPO / "docs" / "regeneration.md").read_text().splitlines()
-               if line.startswith("    CEILING_SWEEP=")]
-    flags = set(re.findall(r"--[a-z0-9-]+", line))
-    assert {"--scheduler-recv-interval", "--cuda-graph-max-bs-decode"} <= flags
+    lines = [line for line in (REPO / "docs" / "regeneration.md").read_text().splitlines()
+             if line.lstrip().startswith(("CEILING_SWEEP=", "CEILING_PROMPTS=")) and "CEILING_SWEEP=" in line]
+    assert len(lines) >= 3
+    flags = set(re.findall(r"(?<![\w-])--[a-z0-9-]+", " ".join(lines)))
+    assert {"--scheduler-recv-interval", "--cuda-graph-max-bs-decode", "--disable-prefill-cuda-graph"} <= flags
+    environ = (sglang_0514_src / "srt" / "environ.py").read_text()
+    variables = set(re.findall(r"\b(SGLANG_[A-Z0-9_]+)=", " ".join(lines)))
+    assert variables == {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT"}
+    for variable in variables:
+        assert f"    {variable} = Env" in environ, variable
     overlay = yaml.safe_load((REPO / "config" / "h200" / "regenerated-sampled-server.yaml").read_text())
     server_flags = {arg for arg in overlay["extract"]["sglang"]["extra_args"] if arg.startswith("--")}
     assert {"--scheduler-recv-interval", "--cuda-graph-max-bs-decode"} <= server_flags

@@ -27,16 +27,18 @@ def busy(ms: float) -> None:
 
 
 def scheduler_steps(steps: int, drafting: bool) -> None:
-    """Spans named as SGLang 0.5.14's scheduler and EAGLE worker name theirs, the first step a
-    prefill without drafting."""
+    """Spans named as SGLang 0.5.14's scheduler, EAGLE worker and model runner name theirs, the
+    first step a prefill without drafting."""
     for step in range(steps):
         with record_function("scheduler.get_next_batch_to_run"):
             busy(0.5)
         with record_function("scheduler.run_batch"):
             if drafting and step:
-                with record_function("draft"):
+                with record_function("draft"), record_function("step[DECODE bs=1]"):  # the drafter's forward
                     busy(3)
-            busy(2)  # verify (or the plain forward)
+            forward = "step[EXTEND bs=1 toks=3]" if not step else "step[TARGET_VERIFY bs=1]" if drafting else "step[DECODE bs=1]"
+            with record_function(forward):
+                busy(2)  # verify (or the plain forward)
             if drafting and step:
                 with record_function("draft_extend"):
                     busy(1)
@@ -64,6 +66,10 @@ def test_a_speculative_servers_steps_are_split_into_draft_verify_and_scheduler(t
     assert 0.4 < cpu["scheduler.process_batch_result"] < 2
     assert breakdown["wall_ms_per_step"] >= sum(v for k, v in cpu.items() if k != "verify" and k not in ("draft", "draft_extend"))
     assert breakdown["gpu_busy_ms_per_step"] == 0  # a CPU-only trace launches no kernels
+    # The steps are the target's verify forwards; the drafter's forwards inside them are not steps.
+    (verify,) = breakdown["modes"].values()
+    assert list(breakdown["modes"]) == ["TARGET_VERIFY"] and verify["steps"] == 8 and verify["mean_batch_size"] == 1
+    assert verify["wall_ms_per_step"] > 6
 
 
 def test_kernels_count_for_the_span_that_launched_them(tmp_path):
@@ -91,12 +97,45 @@ def test_kernels_count_for_the_span_that_launched_them(tmp_path):
 def test_a_plain_servers_steps_have_no_draft_stages_and_a_foreign_trace_is_refused(tmp_path):
     breakdown = sglang_profile.cycle_breakdown(sglang_profile.read_trace(traced(tmp_path, 5, drafting=False)))
     assert breakdown["steps"] == 4 and "verify" not in breakdown["cpu_ms_per_step"]
+    assert list(breakdown["modes"]) == ["DECODE"] and breakdown["modes"]["DECODE"]["steps"] == 4
     assert breakdown["cpu_ms_per_step"]["draft"] == 0
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         busy(1)
     profiler.export_chrome_trace(str(tmp_path / "other.json"))
     with pytest.raises(ValueError, match="scheduler.run_batch"):
         sglang_profile.cycle_breakdown(json.loads((tmp_path / "other.json").read_text())["traceEvents"])
+
+
+def span(name: str, ts_ms: float, dur_ms: float, tid: int = 1) -> dict:
+    """One CPU-side record_function span as torch's Chrome trace writes it (microseconds)."""
+    return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 100, "tid": tid, "ts": ts_ms * 1e3, "dur": dur_ms * 1e3}
+
+
+def test_the_steps_are_told_apart_by_forward_mode_with_their_batch_sizes_and_wall_time():
+    """Each forward step's span names its mode and batch (SGLang's model runner): the breakdown
+    counts the profiled steps of each mode, with their mean batch size (and extend tokens) and
+    wall time from one run_batch to the next, so a window of prefills shows as one."""
+    steps = [(0, 5, "step[EXTEND bs=1 toks=9]"),  # the skipped first step
+             (10, 4, "step[DECODE bs=620]"), (20, 4, "step[DECODE bs=600]"),
+             (30, 25, "step[EXTEND bs=33 toks=1845]"), (60, 3, "step[EXTEND bs=3 toks=155]"),
+             (70, 2, None)]  # a step whose forward wrote no span
+    events = []
+    for start, dur, forward in steps:
+        events.append(span("scheduler.get_next_batch_to_run", start, 0.5))
+        events.append(span("scheduler.run_batch", start + 1, dur))
+        if forward:
+            events.append(span(forward, start + 1.5, dur - 1))
+            # torch's GPU-side twin of the same span, and one on another thread: neither is a step.
+            events.append({**span(forward, start + 1.5, dur - 1), "cat": "gpu_user_annotation"})
+            events.append(span("step[DECODE bs=7]", start + 1.5, 0.1, tid=2))
+    events.append(span("scheduler.process_batch_result", 73, 2))  # the window ends at 75 ms
+    breakdown = sglang_profile.cycle_breakdown(events)
+    assert breakdown["steps"] == 5
+    assert breakdown["modes"] == {
+        "DECODE": {"steps": 2, "wall_ms_per_step": 10.0, "mean_batch_size": 610.0},
+        "EXTEND": {"steps": 2, "wall_ms_per_step": 20.0, "mean_batch_size": 18.0, "mean_extend_tokens": 1000.0},
+        "unannotated": {"steps": 1, "wall_ms_per_step": 4.0},
+    }
 
 
 class ProfilingServer:
@@ -216,8 +255,46 @@ def test_the_regeneration_driver_profiles_the_workflows_server_once_its_record_s
     result = json.loads(out.read_text())
     assert result["url"] == server.url and result["breakdown"]["steps"] == 3
     assert set(result["breakdown"]["cpu_ms_per_step"]) >= {"scheduler.run_batch", "scheduler.get_next_batch_to_run"}
+    assert result["breakdown"]["modes"]["TARGET_VERIFY"]["steps"] == 3
     server.server.shutdown()
     # No profiling route (a server that is not SGLang): the error is recorded, the exit status says so.
     assert sglang_regenerate.main(["profile", "--url", "http://127.0.0.1:9", "--after-s", "0", "--trace-dir",
                                    str(tmp_path / "traces"), "--timeout-s", "5", "--out", str(out)]) == 1
     assert "error" in json.loads(out.read_text())
+
+
+def test_a_ceilings_profile_waits_for_its_load_to_start_before_counting_its_seconds(tmp_path):
+    """benchmarks/sglang_regenerate.py profile --wait-for: no profile is asked for before the
+    file the ceiling's client writes as its load starts (after its warm-up) appears; without
+    it by --timeout-s, the result says the load never started and nothing was asked."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sglang_regenerate
+
+    server = ProfilingServer()
+    load_started = tmp_path / "ceiling-1.load-started"
+    asked_before_the_load = []
+
+    def load_starts_soon():
+        time.sleep(1.0)
+        asked_before_the_load.append(any(path == "/start_profile" for path, _ in server.requests))
+        sglang_regenerate.mark_now(load_started)
+
+    threading.Thread(target=load_starts_soon, daemon=True).start()
+    sender = others_request_once_profiling_starts(server)
+    out = tmp_path / "profile-ceiling-1.json"
+    common = ["--url", server.url, "--steps", "4", "--trace-dir", str(tmp_path / "traces"), "--out", str(out)]
+    assert sglang_regenerate.main(["profile", *common, "--wait-for", str(load_started), "--after-s", "0.2",
+                                   "--timeout-s", "30"]) == 0
+    sender.join(30)
+    assert asked_before_the_load == [False]
+    result = json.loads(out.read_text())
+    assert result["counted_from"] == str(load_started) and result["breakdown"]["steps"] == 3
+    assert float(load_started.read_text()) > 0 and not list(tmp_path.glob("*.partial"))
+    server.server.shutdown()
+    # A load that never starts: said so, and the server is not asked.
+    requests = len(server.requests)
+    assert sglang_regenerate.main(["profile", *common, "--wait-for", str(tmp_path / "never"), "--after-s", "0",
+                                   "--timeout-s", "0.5"]) == 1
+    assert "the load never started" in json.loads(out.read_text())["error"] and len(server.requests) == requests

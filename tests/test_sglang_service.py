@@ -411,19 +411,25 @@ def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_
         extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
     )
     environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
-                   "PYTHONPATH": str(REPO), "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer --cuda-graph-max-bs-decode 512@512"}
+                   "PYTHONPATH": str(REPO), "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer "
+                   "--cuda-graph-max-bs-decode 512@512;SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --scheduler-recv-interval 16@1008"}
     result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_regenerate.sh"), str(tmp_path / "out"), str(configfile)],
                             capture_output=True, text=True, env=environment)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     steps = (tmp_path / "out" / "steps.log").read_text()
     server, *sweep = [line for line in steps.splitlines() if line.startswith("ceiling server: ")]
-    # One plain server per CEILING_SWEEP entry, each with the config's flags and its own.
+    # One plain server per CEILING_SWEEP entry, each with the config's flags and its own; an
+    # entry's NAME=VALUE words are its server's environment, not flags.
     assert [line.removeprefix(server).split() for line in sweep] == [
-        ["--scheduler-recv-interval", "16"], ["--enable-prefill-delayer", "--cuda-graph-max-bs-decode", "512"]]
+        ["--scheduler-recv-interval", "16"], ["--enable-prefill-delayer", "--cuda-graph-max-bs-decode", "512"],
+        ["--scheduler-recv-interval", "16"]]
+    servers = [line for line in steps.splitlines() if line.startswith("ceiling server")]
+    assert servers[-1] == "ceiling server environment: SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1"
+    assert sum(line.startswith("ceiling server environment: ") for line in servers) == 1
     # By default the ceiling keeps as many requests in flight as the workflow: 32 per shard job
     # (regenerate.concurrency's default), both shard jobs side by side.
     in_flight = [line.split()[-1] for line in steps.splitlines() if line.startswith("ceiling requests in flight: ")]
-    assert in_flight == ["64", "512"]
+    assert in_flight == ["64", "512", "1008"]
     command = server.split()[2:]
     assert command[0] == "sglang-server" and "--port" in command and command[command.index("--port") + 1] == "30030"
     assert command[command.index("--served-model-name") + 1] == "tiny-llama"
@@ -458,29 +464,38 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
                    capture_output=True, env={**os.environ, "PYTHONPATH": str(repo)})
     out = tmp_path / "out"
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "4",
-                   "CEILING_CONCURRENCY": "2", "PART_MIB": "1",
-                   "CEILING_SWEEP": "--enable-prefill-delayer --scheduler-recv-interval 16@4"}
+                   "CEILING_CONCURRENCY": "2", "PART_MIB": "1", "CEILING_PROFILE_AFTER_S": "0",
+                   "CEILING_SWEEP": "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --enable-prefill-delayer "
+                                    "--scheduler-recv-interval 16@4"}
     result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
                             capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, (out / "steps.log").read_text()[-3000:] + result.stderr[-3000:]
     ceiling = json.loads((out / "ceiling.json").read_text())
-    assert [(entry["server_flags"], entry["concurrency"]) for entry in ceiling["sweep"]] == [
-        ([], 2), (["--enable-prefill-delayer", "--scheduler-recv-interval", "16"], 4)]
+    env = {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}
+    assert [(entry["server_flags"], entry["server_env"], entry["concurrency"]) for entry in ceiling["sweep"]] == [
+        ([], {}, 2), (["--enable-prefill-delayer", "--scheduler-recv-interval", "16"], env, 4)]
+    # The entry's environment reached its plain server alone.
+    assert f"stand-in: SGLang environment {env}" in (out / "ceiling-server-1.log").read_text()
+    assert "SGLang environment" not in (out / "ceiling-server-0.log").read_text()
     assert all(entry["tokens_per_s"] > 0 and "schedule" in entry for entry in ceiling["sweep"])
     assert ceiling["tokens_per_s"] == max(entry["tokens_per_s"] for entry in ceiling["sweep"])
     overlay = yaml.safe_load((out / "server-flags.yaml").read_text())
     assert overlay["extract"]["sglang"]["extra_args"] == ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]
-    # The workflow's server was started with the picked flags.
+    assert overlay["extract"]["sglang"]["env"] == ceiling["server_env"]
+    # The workflow's server was started with the picked flags and environment (extract.sglang.env).
     server_log = (repo / "logs" / "tiny-regenerate-driver" / "sglang" / "regenerate" / "server.log").read_text()
+    assert f"stand-in: SGLang environment {env}" in server_log
     (ignored,) = [line for line in server_log.splitlines() if "ignoring SGLang flags" in line]
     assert ignored.rstrip("]").endswith(", ".join(repr(flag) for flag in ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]))
     summary = json.loads((out / "sglang_regenerate.json").read_text())["regenerate"]
     assert summary["shards_done"] == 2 and summary["accounted"] and summary["regenerated"] > 0
     assert summary["ceiling_tokens_per_s"] == ceiling["tokens_per_s"] and "schedule" in summary
-    # Each plain server was asked for SGLang's profile under its load; the stand-in has no
-    # profiler, which each result records while the run goes on.
+    # Each plain server was asked for SGLang's profile once its ceiling's load had started (the
+    # client's mark); the stand-in has no profiler, which each result records while the run goes on.
     for label in (0, 1):
-        assert "start_profile" in json.loads((out / f"profile-ceiling-{label}.json").read_text())["error"]
+        profiled = json.loads((out / f"profile-ceiling-{label}.json").read_text())
+        assert "start_profile" in profiled["error"] and profiled["counted_from"] == str(out / f"ceiling-{label}.load-started")
+        assert (out / f"ceiling-{label}.load-started").exists()
     # The packed folder holds the shards and their reports (a rerun's inputs).
     listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
                              check=True).stdout.split()

@@ -262,8 +262,10 @@ def write_plugin_record(state_dir: str | os.PathLike) -> Path:
     return plugin_dir
 
 
-def server_environment(capture: dict, plugin_dir: Path, base=os.environ) -> dict:
-    env = dict(base)
+def server_environment(capture: dict, plugin_dir: Path, base=os.environ, extra: dict | None = None) -> dict:
+    """The server's environment: ``base``, then extract.sglang.env (``extra``), then what the
+    plugin needs (its path and settings), which the config cannot override."""
+    env = {**base, **(extra or {})}
     paths = [str(plugin_dir), str(PACKAGE_PARENT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env[sglang_patch.SETTINGS_ENV] = json.dumps(capture)
@@ -432,7 +434,7 @@ def serve(
     state_dir.mkdir(parents=True, exist_ok=True)
     Path(capture["spool_dir"]).mkdir(parents=True, exist_ok=True)
     command_for = command_for or (lambda server_url: launch_command(config, capture, python, server_url))
-    env = server_environment(capture, write_plugin_record(state_dir))
+    env = server_environment(capture, write_plugin_record(state_dir), extra=settings["env"])
     log_path = state_dir / "server.log"
     stopping = False
 

@@ -15,13 +15,17 @@ runs (``srt/utils/nvtx_utils.py:84-118``): the scheduler's loop (``scheduler.get
 :func:`cycle_breakdown` reads such a trace: per forward step, the CPU time of each span
 (``verify`` = run_batch less the draft stages), and the GPU time of the kernels each span
 launched (a kernel belongs to the innermost span around the CUDA runtime call that launched
-it, matched by the trace's correlation ids).
+it, matched by the trace's correlation ids). Each model forward also leaves a span named for
+its batch (``step[DECODE bs=620]``, ``step[EXTEND bs=33 toks=1845]``:
+``model_executor/model_runner.py:2917`` and ``:3256-3263``), so the breakdown also says, per
+forward mode, how many of the profiled steps were of it, their batch sizes and wall time.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -30,6 +34,9 @@ from pathlib import Path
 RUN_BATCH = "scheduler.run_batch"
 DRAFT_STAGES = ("draft", "draft_extend")
 SPANS = ("scheduler.get_next_batch_to_run", RUN_BATCH, "scheduler.process_batch_result", *DRAFT_STAGES)
+# A model forward's span: its forward mode and numbers (bs, toks for an EXTEND, ...).
+STEP_SPAN = re.compile(r"step\[(?P<mode>[A-Z_]+)(?P<fields>(?: \w+=\d+)*)\]")
+UNANNOTATED = "unannotated"  # a step with no forward span in it (an SGLang that writes none)
 
 
 def _post(url: str, payload: dict, timeout_s: float) -> bytes:
@@ -161,7 +168,8 @@ def cycle_breakdown(events: list[dict], skip_steps: int = 1) -> dict:
             if stage == RUN_BATCH and drafting:
                 stage = "verify"
             gpu[stage] = gpu.get(stage, 0.0) + e["dur"] / 1e3 / steps
-    window = (max(e["ts"] + e["dur"] for e in spans) - min(e["ts"] for e in spans)) / 1e3
+    window_end = max(e["ts"] + e["dur"] for e in spans)
+    window = (window_end - min(e["ts"] for e in spans)) / 1e3
     return {
         "steps": steps,
         "skipped_steps": skip_steps,
@@ -169,4 +177,55 @@ def cycle_breakdown(events: list[dict], skip_steps: int = 1) -> dict:
         "cpu_ms_per_step": {name: round(value, 4) for name, value in cpu.items()},
         "gpu_ms_per_step": {name: round(value, 4) for name, value in sorted(gpu.items())},
         "gpu_busy_ms_per_step": round(sum(gpu.values()), 4),
+        "modes": mode_breakdown(spans, _step_spans(events, begin), window_end),
     }
+
+
+def _step_spans(events: list[dict], begin: float) -> list[dict]:
+    """The model forwards' spans in the window, each with its parsed ``mode`` and ``fields``."""
+    found = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation" or e["ts"] < begin:
+            continue  # torch's gpu_user_annotation twin is left out, as for the stages
+        named = STEP_SPAN.fullmatch(e.get("name", ""))
+        if named:
+            fields = {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", named["fields"])}
+            found.append({**e, "mode": named["mode"], "fields": fields})
+    return sorted(found, key=lambda e: e["ts"])
+
+
+def _forward_of(run_batch: dict, step_spans: list[dict], draft_spans: list[dict]) -> dict | None:
+    """The target's forward in one step: the first forward span inside ``run_batch`` (same
+    thread) that is not the drafter's (inside a draft stage)."""
+    def inside(inner, outer):
+        same_thread = (inner.get("pid"), inner.get("tid")) == (outer.get("pid"), outer.get("tid"))
+        return same_thread and outer["ts"] <= inner["ts"] <= outer["ts"] + outer["dur"]
+
+    return next((s for s in step_spans if inside(s, run_batch) and not any(inside(s, d) for d in draft_spans)), None)
+
+
+def mode_breakdown(spans: list[dict], step_spans: list[dict], window_end: float) -> dict:
+    """Per forward mode (DECODE, EXTEND, TARGET_VERIFY, ... as SGLang names them): the
+    profiled steps of it, their mean batch size (and extend tokens, where named) and wall
+    milliseconds; a step's wall time runs from its ``scheduler.run_batch`` to the next one's
+    (the last one's: to the window's end), so a mode's share of the window shows."""
+    run_batches = sorted((e for e in spans if e["name"] == RUN_BATCH), key=lambda e: e["ts"])
+    draft_spans = [e for e in spans if e["name"] in DRAFT_STAGES]
+    ends = [e["ts"] for e in run_batches[1:]] + [window_end]
+    totals: dict[str, dict] = {}
+    for run_batch, end in zip(run_batches, ends):
+        forward = _forward_of(run_batch, step_spans, draft_spans)
+        mode = totals.setdefault(forward["mode"] if forward else UNANNOTATED, {"steps": 0, "wall_us": 0.0, "fields": {}})
+        mode["steps"] += 1
+        mode["wall_us"] += end - run_batch["ts"]
+        for key, value in (forward["fields"] if forward else {}).items():
+            mode["fields"][key] = mode["fields"].get(key, 0) + value
+    return {name: _mode_means(total) for name, total in sorted(totals.items())}
+
+
+def _mode_means(total: dict) -> dict:
+    means = {"steps": total["steps"], "wall_ms_per_step": round(total["wall_us"] / 1e3 / total["steps"], 4)}
+    names = {"bs": "mean_batch_size", "toks": "mean_extend_tokens"}  # SGLang's short names, spelled out
+    for key, value in total["fields"].items():
+        means[names.get(key, f"mean_{key}")] = round(value / total["steps"], 2)
+    return means

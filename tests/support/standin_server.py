@@ -380,6 +380,10 @@ def parse_args(argv=None):
     options, ignored = parser.parse_known_args(argv)
     if ignored:
         print(f"stand-in: ignoring SGLang flags {ignored}", file=sys.stderr, flush=True)
+    # SGLang reads some scheduler knobs from its environment only: which of them this server got.
+    knobs = {name: value for name, value in sorted(os.environ.items()) if name.startswith("SGLANG_")}
+    if knobs:
+        print(f"stand-in: SGLang environment {knobs}", file=sys.stderr, flush=True)
     # Started by eaglenest.sglang.launch (EAGLENEST_SGLANG_COMMAND), the stand-in gets SGLang's
     # flags and, as the patched server does, its capture settings from the environment.
     launched_with = sglang_patch.settings_from_env() or {}
