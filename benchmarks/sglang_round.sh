@@ -14,7 +14,8 @@
 #   EVAL_PROMPTS=resources/eval/mt_bench_question.jsonl bash benchmarks/sglang_round.sh OUTDIR [config files...]
 #
 # DRY_RUN=1 installs and converts nothing and runs both scripts' dry runs (their plans).
-# SKIP="regen" or "serve" leaves a step out. Both scripts' own knobs pass through (CEILING_*,
+# SKIP="regen" or "serve" leaves a step out; ORDER="serve regen" serves the drafter first
+# (regeneration is the longer step, and a round whose device time runs out keeps the other). Both scripts' own knobs pass through (CEILING_*,
 # REGENERATE_TIMEOUT_S, CONCURRENCY, PROFILE_STEPS, ...). SERVER_ARGS for the served drafter
 # defaults to what the carried install serves with: Triton attention (its cut sglang-kernel has
 # no FA3, docs/sglang.md), the PyTorch sampler (greedy decoding samples nothing), and no prefill
@@ -49,18 +50,28 @@ if [ "$DRY" != 1 ]; then
     "$PY" -m snakemake --cores all --until convert_embedded_target > "$OUT/convert.log" 2>&1
     step "target converted rc=$?"
 fi
-if [[ " ${SKIP:-} " != *" regen "* ]]; then
-    step "regeneration starts"
-    bash benchmarks/sglang_regenerate.sh "$OUT/regen" "$@"
-    step "regeneration rc=$?"
-fi
-touch "$OUT/REGEN_DONE"
-if [[ " ${SKIP:-} " != *" serve "* ]]; then
+regen() {
+    if [[ " ${SKIP:-} " != *" regen "* ]]; then
+        step "regeneration starts"
+        bash benchmarks/sglang_regenerate.sh "$OUT/regen" "$@"
+        step "regeneration rc=$?"
+    fi
+    touch "$OUT/REGEN_DONE"
+}
+serve() {
+    [[ " ${SKIP:-} " == *" serve "* ]] && return
     [ "$DRY" = 1 ] || for _ in $(seq 1 "${DRAFTER_WAIT_S:-1800}"); do [ -e "${DRAFTER:?DRAFTER: an SGLang export}/config.json" ] && break; sleep 1; done
     step "serve starts (drafter ${DRAFTER})"
     TARGET_DIR="${TARGET_DIR:-$PWD/resources/models/SmolLM2-135M-Instruct}" \
     SERVER_ARGS="${SERVER_ARGS:---dtype bfloat16 --mem-fraction-static 0.4 --attention-backend triton --sampling-backend pytorch --disable-prefill-cuda-graph}" \
         bash benchmarks/sglang_serve.sh "$OUT/serve"
     step "serve rc=$?"
-fi
+}
+for part in ${ORDER:-regen serve}; do
+    case $part in
+    regen) regen "$@" ;;
+    serve) serve ;;
+    *) step "unknown part $part in ORDER (regen, serve)"; exit 2 ;;
+    esac
+done
 touch "$OUT/DONE"

@@ -395,3 +395,14 @@ def test_the_gpu_round_plans_regeneration_then_the_served_drafter_with_the_carri
     assert served["extract"]["sglang"]["extra_args"] == ["--dtype", "bfloat16", "--mem-fraction-static", "0.4",
                                                          "--attention-backend", "triton", "--sampling-backend", "pytorch",
                                                          "--disable-prefill-cuda-graph"]
+    # ORDER: the served drafter first, then regeneration; a part it does not know stops the round
+    out = tmp_path / "out-serve-first"
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_round.sh"), str(out), str(configfile)],
+                            capture_output=True, text=True, env={**environment, "ORDER": "serve regen"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (out / "round.log").read_text()
+    assert log.index("serve starts") < log.index("serve rc=0") < log.index("regeneration starts") < log.index("regeneration rc=0")
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "sglang_round.sh"), str(tmp_path / "out-bad"), str(configfile)],
+                            capture_output=True, text=True, env={**environment, "ORDER": "serve train"})
+    assert result.returncode == 2 and "unknown part train" in (tmp_path / "out-bad" / "round.log").read_text()
+    assert not (tmp_path / "out-bad" / "DONE").exists()
