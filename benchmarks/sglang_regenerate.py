@@ -158,6 +158,31 @@ def cmd_ceiling(options) -> int:
     return 0
 
 
+def flag_groups(args: list[str]) -> list[list[str]]:
+    """Command-line words grouped by flag: each ``--flag`` with the words up to the next one
+    (its value, if any)."""
+    groups: list[list[str]] = []
+    for word in map(str, args):
+        if word.startswith("--") or not groups:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    return groups
+
+
+def merge_flags(base: list[str], extra: list[str]) -> list[str]:
+    """``base`` with ``extra``'s flags: a flag ``base`` already has takes ``extra``'s value in
+    its place, a new one is appended (the overlay then says each flag once)."""
+    merged = flag_groups(base)
+    for group in flag_groups(extra):
+        at = next((i for i, have in enumerate(merged) if have[0] == group[0]), None)
+        if at is None:
+            merged.append(group)
+        else:
+            merged[at] = group
+    return [word for group in merged for word in group]
+
+
 def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, base_concurrency: int,
                  config_env: dict | None = None) -> tuple[dict, dict]:
     """(the fastest ceiling with the others under ``sweep``, the overlay that gives the
@@ -169,7 +194,7 @@ def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, b
     best = max(ceilings, key=lambda ceiling: ceiling["tokens_per_s"])
     sweep = [{"server_flags": c.get("server_flags", []), "server_env": c.get("server_env", {}), "concurrency": c["concurrency"],
               "tokens_per_s": c["tokens_per_s"], "seconds": c["seconds"], "schedule": c.get("schedule")} for c in ceilings]
-    overlay = {"extract": {"sglang": {"extra_args": list(extra_args) + list(best.get("server_flags", []))}}}
+    overlay = {"extract": {"sglang": {"extra_args": merge_flags(extra_args, best.get("server_flags", []))}}}
     if best.get("server_env"):
         overlay["extract"]["sglang"]["env"] = {**(config_env or {}), **best["server_env"]}
     if best["concurrency"] != base_concurrency:

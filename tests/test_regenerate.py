@@ -670,6 +670,23 @@ def test_the_fastest_ceiling_gives_the_regeneration_server_its_flags():
     assert [entry["server_env"] for entry in best["sweep"]] == [{}] * 4 + [best["server_env"]]
 
 
+def test_the_picked_flags_replace_the_values_of_flags_the_config_has_and_add_the_rest():
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    config_flags = ["--attention-backend", "triton", "--cuda-graph-max-bs-decode", "512", "--enable-x", "--stream-interval", "16"]
+    picked = ["--cuda-graph-max-bs-decode", "1024", "--disable-prefill-cuda-graph", "--chunked-prefill-size", "-1"]
+    assert sglang_regenerate.merge_flags(config_flags, picked) == [
+        "--attention-backend", "triton", "--cuda-graph-max-bs-decode", "1024", "--enable-x", "--stream-interval", "16",
+        "--disable-prefill-cuda-graph", "--chunked-prefill-size", "-1"]
+    assert sglang_regenerate.merge_flags(config_flags, []) == config_flags
+    best, overlay = sglang_regenerate.pick_ceiling(
+        [{"server_flags": picked[:2], "concurrency": 1008, "tokens_per_s": 2.0, "seconds": 1.0}], config_flags, 18, 1008)
+    assert overlay["extract"]["sglang"]["extra_args"].count("--cuda-graph-max-bs-decode") == 1
+
+
 def test_the_picked_ceilings_environment_goes_into_the_overlay(tmp_path, capsys):
     """pick writes the fastest's NAME=VALUE words under extract.sglang.env and shows them in its
     table; the overlay is a config the workflow takes."""
