@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import sys
@@ -118,15 +117,6 @@ def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurr
             "tokens_per_s": round(generated / seconds, 1), "finish_reasons": reasons}
 
 
-def mark_now(path: str | Path) -> None:
-    """Write the time into ``path`` in one step (a renamed temporary file): whoever waits
-    for it sees it whole or not at all."""
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{time.time()}\n")
-    os.replace(partial, path)
-
-
 def server_env(words: str) -> dict:
     """``NAME=VALUE`` words (a sweep entry's environment) as a dict; anything else is refused."""
     env = {}
@@ -139,6 +129,7 @@ def server_env(words: str) -> dict:
 
 
 def cmd_ceiling(options) -> int:
+    from eaglenest.formats import atomic
     from eaglenest.node.recon.config import load_config
 
     config = load_config(REPO, options.config)  # as the Snakefile sees it
@@ -148,7 +139,8 @@ def cmd_ceiling(options) -> int:
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     # The profiler waits for the load itself, not for the warm-up (flashinfer may build its
     # kernels in it, for minutes on a fresh node).
-    on_load_start = (lambda: mark_now(options.load_started)) if options.load_started else None
+    # Written whole or not at all (eaglenest.formats.atomic): whoever waits for it reads it complete.
+    on_load_start = (lambda: atomic.write_text(options.load_started, f"{time.time()}\n")) if options.load_started else None
     result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
                              options.seed, on_load_start)
     result.update(sampling=sampling, turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,

@@ -83,7 +83,7 @@ shards = os.environ.get("SHARDS", "").split()  # a subset: those shards only (a 
 targets = [run_layout.regenerated_path(f"shard-{int(shard):05d}.jsonl") for shard in shards]
 print("TARGETS=(" + " ".join(shlex.quote(t) for t in targets) + ")")
 print("PLAIN=(" + " ".join(shlex.quote(part) for part in command) + ")")
-# The config's own server environment (extract.sglang.env, where the schema has it): every plain server's.
+# The config's own server environment (extract.sglang.env): every plain server's.
 env = config["extract"]["sglang"].get("env") or {}
 print("CONFIG_ENV=(" + " ".join(shlex.quote(f"{name}={value}") for name, value in env.items()) + ")")
 PYTHON

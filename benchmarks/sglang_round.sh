@@ -15,8 +15,9 @@
 #
 # DRY_RUN=1 installs and converts nothing and runs both scripts' dry runs (their plans).
 # SKIP="regen" or "serve" leaves a step out; ORDER="serve regen" serves the drafter first
-# (regeneration is the longer step, and a round whose device time runs out keeps the other). Both scripts' own knobs pass through (CEILING_*,
-# REGENERATE_TIMEOUT_S, CONCURRENCY, PROFILE_STEPS, ...). SERVER_ARGS for the served drafter
+# (regeneration is the longer step, and a round whose device time runs out keeps the other).
+# Both scripts' own knobs pass through (CEILING_*, REGENERATE_TIMEOUT_S, CONCURRENCY,
+# PROFILE_STEPS, ...). SERVER_ARGS for the served drafter
 # defaults to what the carried install serves with: Triton attention (its cut sglang-kernel has
 # no FA3, docs/sglang.md), the PyTorch sampler (greedy decoding samples nothing), and no prefill
 # CUDA graphs (captured per server in about 80 s, and used once per prompt; decoding, drafting
