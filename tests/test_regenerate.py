@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from eaglenest import plan
+from eaglenest.formats import atomic
 from eaglenest.stages import ingest, prepare, regenerate
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until
 from test_sglang_protocol import start_standin
@@ -630,7 +631,7 @@ def test_the_ceiling_marks_its_loads_start_after_the_warm_up_request(tmp_path):
     server = CountingChatServer(marker)
     prompts = [[{"role": "user", "content": f"q{k}"}] for k in range(6)]
     result = sglang_regenerate.measure_ceiling(server.url, "tiny", prompts, {"max_tokens": 1}, concurrency=3, seed=0,
-                                               on_load_start=lambda: sglang_regenerate.mark_now(marker))
+                                               on_load_start=lambda: atomic.write_text(marker, f"{time.time()}\n"))
     server.server.shutdown()
     assert result["prompts"] == 6 and result["generated_tokens"] == 6
     assert server.marker_seen == [False] + [True] * 6  # the warm-up, then the load

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from pathlib import Path
 
+from eaglenest.formats import atomic
 from eaglenest.sglang import profile as sglang_profile
 
 
@@ -279,7 +280,7 @@ def test_a_ceilings_profile_waits_for_its_load_to_start_before_counting_its_seco
     def load_starts_soon():
         time.sleep(1.0)
         asked_before_the_load.append(any(path == "/start_profile" for path, _ in server.requests))
-        sglang_regenerate.mark_now(load_started)
+        atomic.write_text(load_started, f"{time.time()}\n")
 
     threading.Thread(target=load_starts_soon, daemon=True).start()
     sender = others_request_once_profiling_starts(server)
