@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,10 +65,11 @@ ENV_WORD = re.compile(r"(?P<name>[A-Z_][A-Z0-9_]*)=(?P<value>\S*)")
 def sample_prompts(conversations_path: str, model_path: str, max_len: int, count: int, seed: int,
                    turns: str = "all") -> tuple[list, int]:
     """(prompts, skipped): a seeded sample of the prompts the stage asks, those it would skip
-    as ``max_len`` or longer left out, as the stage leaves them out. ``turns="all"``: any
-    assistant turn's, the conversation before it as the source holds it (the stage asks the
-    same turn with its own earlier answers in their place), so the prompts have the lengths
-    the workflow's server sees; ``"first"``: the first assistant turn's only."""
+    as ``max_len`` or longer left out, as the stage leaves them out; each prompt is (its
+    messages, its token ids as the stage renders them). ``turns="all"``: any assistant turn's,
+    the conversation before it as the source holds it (the stage asks the same turn with its
+    own earlier answers in their place), so the prompts have the lengths the workflow's server
+    sees; ``"first"``: the first assistant turn's only."""
     from eaglenest.stages.prepare import load_tokenizer, prompt_ids
 
     with open(conversations_path, encoding="utf-8") as handle:  # JSON lines: split on "\n" only
@@ -79,41 +82,59 @@ def sample_prompts(conversations_path: str, model_path: str, max_len: int, count
     tokenizer = load_tokenizer(model_path)
     prompts, skipped = [], 0
     for prompt in candidates:
-        if len(prompt_ids(tokenizer, prompt)) >= max_len:
+        ids = prompt_ids(tokenizer, prompt)
+        if len(ids) >= max_len:
             skipped += 1
             continue
-        prompts.append(prompt)
+        prompts.append((prompt, ids))
         if len(prompts) == count:
             break
     return prompts, skipped
 
 
-def measure_ceiling(url: str, model: str, prompts: list, sampling: dict, concurrency: int, seed: int,
-                    on_load_start=None) -> dict:
+def ceiling_requests(prompts: list, model: str, section: dict, stop_ids: list[int]) -> tuple[str, list[dict]]:
+    """(the route, one request body per prompt) as the workflow's client asks them
+    (``regenerate.api``): chat completions of the messages, or SGLang's /generate of the ids."""
+    if section["api"] == "generate":
+        sampling = {"temperature": section["temperature"], "top_p": section["top_p"],
+                    "max_new_tokens": section["max_new_tokens"], "stop_token_ids": stop_ids}
+        return "/generate", [{"input_ids": ids, "sampling_params": dict(sampling)} for _, ids in prompts]
+    sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
+    return "/v1/chat/completions", [{"model": model, "messages": messages, **sampling} for messages, _ in prompts]
+
+
+def measure_ceiling(url: str, route: str, bodies: list[dict], concurrency: int, seed: int, on_load_start=None) -> dict:
     """The generation speed of ``concurrency`` requests in flight, after one warm-up request;
     ``on_load_start`` is called as the first measured request goes out."""
-    endpoint = url.rstrip("/") + "/v1/chat/completions"
+    endpoint = url.rstrip("/") + route
 
     def ask(indexed):
-        index, messages = indexed
-        body = {"model": model, "messages": messages, "seed": seed + index, **sampling}
+        index, body = indexed
+        body = json.loads(json.dumps(body))  # each request its own seed
+        if "sampling_params" in body:
+            body["sampling_params"]["sampling_seed"] = seed + index
+        else:
+            body["seed"] = seed + index
         request = urllib.request.Request(endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())
+        if "meta_info" in answer:  # /generate
+            return int(answer["meta_info"]["completion_tokens"]), (answer["meta_info"].get("finish_reason") or {}).get("type")
         return int(answer["usage"]["completion_tokens"]), answer["choices"][0].get("finish_reason")
 
-    ask((0, prompts[0]))  # warm-up
+    ask((0, bodies[0]))  # warm-up
     if on_load_start is not None:
         on_load_start()
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(ask, enumerate(prompts)))
+        answers = list(pool.map(ask, enumerate(bodies)))
     seconds = time.perf_counter() - started
     generated = sum(tokens for tokens, _ in answers)
     reasons: dict = {}
     for _, reason in answers:
         reasons[str(reason)] = reasons.get(str(reason), 0) + 1
-    return {"prompts": len(prompts), "concurrency": concurrency, "generated_tokens": generated, "seconds": round(seconds, 3),
+    return {"prompts": len(bodies), "concurrency": concurrency, "route": route, "generated_tokens": generated,
+            "seconds": round(seconds, 3), "requests_per_s": round(len(bodies) / seconds, 1),
             "tokens_per_s": round(generated / seconds, 1), "finish_reasons": reasons}
 
 
@@ -132,18 +153,22 @@ def cmd_ceiling(options) -> int:
     from eaglenest.formats import atomic
     from eaglenest.node.recon.config import load_config
 
+    from eaglenest.stages.prepare import load_tokenizer
+    from eaglenest.stages.regenerate import end_of_turn_ids
+
     config = load_config(REPO, options.config)  # as the Snakefile sees it
     section = config["regenerate"]
     prompts, skipped = sample_prompts(options.conversations, options.model_path, config["data"]["max_len"],
                                       options.prompts, options.seed, options.turns)
+    route, bodies = ceiling_requests(prompts, options.model or config["target"]["name"], section,
+                                     end_of_turn_ids(load_tokenizer(options.model_path)))
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     # The profiler waits for the load itself, not for the warm-up (flashinfer may build its
     # kernels in it, for minutes on a fresh node).
     # Written whole or not at all (eaglenest.formats.atomic): whoever waits for it reads it complete.
     on_load_start = (lambda: atomic.write_text(options.load_started, f"{time.time()}\n")) if options.load_started else None
-    result = measure_ceiling(options.url, options.model or config["target"]["name"], prompts, sampling, options.concurrency,
-                             options.seed, on_load_start)
-    result.update(sampling=sampling, turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,
+    result = measure_ceiling(options.url, route, bodies, options.concurrency, options.seed, on_load_start)
+    result.update(sampling=sampling, api=section["api"], turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,
                   server_flags=options.server_flags.split(), server_env=server_env(options.server_env))
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
@@ -227,33 +252,55 @@ def cmd_pick(options) -> int:
 LOG_LINE = re.compile(r"^\[(?P<time>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)[^\]]*\] (?P<kind>Prefill|Decode) batch(?P<rest>.*)$")
 
 
-def server_schedule(log_path: Path, decode_log_interval: int = 40) -> dict:
+def server_schedule(log_path: Path, decode_log_interval: int = 40, window_s: int = 60) -> dict:
     """The scheduling an SGLang server's log records. Each prefill pass logs one ``Prefill
     batch`` line; a ``Decode batch`` line is logged every ``decode_log_interval`` decode steps
-    (SGLang's ``--decode-log-interval``, 40 by default), so decode steps are counted from them."""
+    (SGLang's ``--decode-log-interval``, 40 by default), so decode steps are counted from them.
+    ``windows``: the same per ``window_s`` seconds of the log, so that a rate of arriving
+    requests that stays flat while the running batch swings shows itself."""
     def number(rest: str, key: str) -> float | None:
         found = re.search(rf"{re.escape(key)}: ([\d.]+)", rest)
         return float(found.group(1)) if found else None
 
     prefill_passes = prefill_requests = new_tokens = cached_tokens = decode_lines = 0
     running, throughput, times = [], [], []
+    windows: dict[int, dict] = {}
+    start = None
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
             found = LOG_LINE.match(line)
             if not found:
                 continue
             times.append(found["time"])
+            seconds = datetime.strptime(found["time"], "%Y-%m-%d %H:%M:%S").timestamp()
+            start = seconds if start is None else start
+            window = windows.setdefault(int((seconds - start) // window_s),
+                                        {"requests": 0, "prompt_tokens": 0, "running": [], "throughput": []})
             rest = found["rest"]
             if found["kind"] == "Prefill":
                 prefill_passes += 1
-                prefill_requests += int(number(rest, "#new-seq") or 0)
+                requests = int(number(rest, "#new-seq") or 0)
+                prompt_tokens = int(number(rest, "#new-token") or 0) + int(number(rest, "#cached-token") or 0)
+                prefill_requests += requests
                 new_tokens += int(number(rest, "#new-token") or 0)
                 cached_tokens += int(number(rest, "#cached-token") or 0)
+                window["requests"] += requests
+                window["prompt_tokens"] += prompt_tokens
             else:
                 decode_lines += 1
                 running.append(number(rest, "#running-req") or 0)
                 throughput.append(number(rest, "gen throughput (token/s)") or 0)
+                window["running"].append(running[-1])
+                window["throughput"].append(throughput[-1])
     decode_steps = decode_lines * decode_log_interval
+
+    def mean(values: list) -> float | None:
+        return round(sum(values) / len(values), 1) if values else None
+
+    per_window = [{"from_s": index * window_s, "requests_per_s": round(w["requests"] / window_s, 1),
+                   "prompt_tokens_per_request": round(w["prompt_tokens"] / w["requests"]) if w["requests"] else None,
+                   "mean_running_requests": mean(w["running"]), "mean_logged_gen_tokens_per_s": mean(w["throughput"])}
+                  for index, w in sorted(windows.items())]
     return {
         "prefill_passes": prefill_passes,
         "requests_per_prefill_pass": round(prefill_requests / prefill_passes, 2) if prefill_passes else None,
@@ -265,11 +312,13 @@ def server_schedule(log_path: Path, decode_log_interval: int = 40) -> dict:
         "highest_logged_gen_tokens_per_s": max(throughput) if throughput else None,
         "first_line": times[0] if times else None,
         "last_line": times[-1] if times else None,
+        "window_s": window_s,
+        "windows": per_window,
     }
 
 
 def cmd_schedule(options) -> int:
-    schedule = server_schedule(Path(options.log), options.decode_log_interval)
+    schedule = server_schedule(Path(options.log), options.decode_log_interval, options.window_s)
     if options.into:  # a ceiling's result: the schedule of the server that answered it
         into = Path(options.into)
         if into.exists():
@@ -343,8 +392,117 @@ def cmd_profile(options) -> int:
     return 0 if "breakdown" in result else 1
 
 
+def cpu_role(cmdline: list[str]) -> str | None:
+    """Which part of a regeneration a process is, from its command line (SGLang's scheduler
+    and detokenizer rename themselves ``sglang::...``); None for anything else."""
+    from eaglenest.node.recon.processes import is_snakemake
+
+    text = " ".join(cmdline)
+    if cmdline and cmdline[0].startswith("sglang::"):
+        return re.sub(r"_TP\d+.*$", "", cmdline[0].split()[0])
+    if "sglang.launch_server" in text:
+        return "sglang HTTP server + tokenizer manager"
+    if "sglang_regenerate.py ceiling" in text:
+        return "ceiling client"
+    if "regenerate" in text and ".snakemake/scripts" in text:
+        return "regenerate jobs (the workflow's clients)"
+    if "eaglenest.sglang.launch" in text:
+        return "eaglenest launcher"
+    if is_snakemake(cmdline):
+        return "snakemake"
+    return None
+
+
+def _cpu_ticks(proc: Path, pid: int) -> tuple[int, dict[int, tuple[int, str]]]:
+    """(the process's user+system clock ticks, {thread id: (its ticks, its name)})."""
+    def ticks(stat_path: Path) -> int:
+        fields = stat_path.read_text().rsplit(")", 1)[-1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+    threads = {}
+    for task in (proc / str(pid) / "task").iterdir():
+        try:
+            threads[int(task.name)] = (ticks(task / "stat"), (task / "comm").read_text().strip())
+        except (OSError, ValueError, IndexError):
+            continue
+    return ticks(proc / str(pid) / "stat"), threads
+
+
+def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
+    """Cores each part of a regeneration keeps busy over ``seconds`` (from /proc), with the
+    busiest thread of each part: a part whose busiest thread nears one core is held by its
+    Python main thread, whatever the machine's other cores do."""
+    from eaglenest.node.recon.processes import list_processes
+
+    def snapshot() -> dict:
+        found = {}
+        for pid, info in list_processes(str(proc)).items():
+            role = cpu_role(info["cmdline"])
+            parent = info["ppid"]
+            while role is None and parent in processes_now:  # a worker SGLang spawned, unnamed
+                parent_role = cpu_role(processes_now[parent]["cmdline"])
+                if parent_role and parent_role.startswith("sglang"):
+                    role = "sglang (other processes)"
+                parent = processes_now[parent]["ppid"]
+            if role is None:
+                continue
+            try:
+                found[pid] = (role, *_cpu_ticks(proc, pid))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    def machine_busy_ticks() -> tuple[int, int]:
+        fields = [int(value) for value in (proc / "stat").read_text().splitlines()[0].split()[1:]]
+        return sum(fields) - fields[3] - fields[4], sum(fields)  # all but idle and iowait, all
+
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    processes_now = list_processes(str(proc))
+    busy_before, total_before = machine_busy_ticks()
+    before, started = snapshot(), time.monotonic()
+    time.sleep(seconds)
+    processes_now = list_processes(str(proc))
+    after, elapsed = snapshot(), time.monotonic() - started
+    busy_after, total_after = machine_busy_ticks()
+    groups: dict[str, dict] = {}
+    for pid, (role, total, threads) in after.items():
+        _, total_then, threads_then = before.get(pid, (role, 0, {}))
+        group = groups.setdefault(role, {"role": role, "processes": 0, "cores": 0.0, "busiest_thread_cores": 0.0,
+                                         "busiest_thread": None})
+        group["processes"] += 1
+        group["cores"] += (total - total_then) / ticks_per_s / elapsed
+        for tid, (thread_ticks, name) in threads.items():
+            cores = (thread_ticks - threads_then.get(tid, (0, name))[0]) / ticks_per_s / elapsed
+            if cores > group["busiest_thread_cores"]:
+                group["busiest_thread_cores"], group["busiest_thread"] = cores, name
+    rows = sorted(groups.values(), key=lambda group: -group["cores"])
+    for row in rows:
+        row["cores"], row["busiest_thread_cores"] = round(row["cores"], 2), round(row["busiest_thread_cores"], 2)
+    cpus = os.cpu_count() or 1
+    return {"seconds": round(elapsed, 1), "machine_cpus": cpus,
+            "machine_busy_cores": round(cpus * (busy_after - busy_before) / max(1, total_after - total_before), 2),
+            "parts": rows}
+
+
+def cmd_cpu(options) -> int:
+    """Cores per part of a busy regeneration: the workflow's (``--record``: once its server
+    is ready) or a ceiling's (``--wait-for``: its client's mark of its load), ``--after-s``
+    into it, for ``--seconds``."""
+    result = {"after_s": options.after_s}
+    if options.record and ready_record(Path(options.record), options.timeout_s) is None:
+        result["error"] = f"no ready server in {options.record}"
+    elif options.wait_for and not wait_for_file(Path(options.wait_for), options.timeout_s):
+        result["error"] = f"no {options.wait_for} after {options.timeout_s:.0f} s: the load never started"
+    else:
+        time.sleep(options.after_s)
+        result.update(sample_cpu(options.seconds))
+    Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0 if "parts" in result else 1
+
+
 def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None,
-                       server_log: Path | None = None) -> dict:
+                       server_log: Path | None = None, cpu: dict | None = None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
     from ``ready`` (when the workflow's server was ready) to the last shard's report."""
     from eaglenest.stages import regenerate
@@ -373,14 +531,17 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["ceiling"] = ceiling
     if server_log is not None and server_log.exists():
         result["schedule"] = server_schedule(server_log)
+    if cpu is not None:
+        result["cpu"] = cpu
     return result
 
 
 def cmd_summary(options) -> int:
     ceiling = json.loads(Path(options.ceiling).read_text()) if options.ceiling and Path(options.ceiling).exists() else None
     ready = float(Path(options.ready).read_text()) if options.ready and Path(options.ready).exists() else None
+    cpu = json.loads(Path(options.cpu).read_text()) if options.cpu and Path(options.cpu).exists() else None
     result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready,
-                                Path(options.server_log) if options.server_log else None)
+                                Path(options.server_log) if options.server_log else None, cpu)
     Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
     print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s | ceiling tok/s | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -420,6 +581,7 @@ def main(argv=None) -> int:
     schedule = commands.add_parser("schedule", help="prefill passes, decode steps and batch sizes from a server's log")
     schedule.add_argument("--log", required=True)
     schedule.add_argument("--decode-log-interval", type=int, default=40)
+    schedule.add_argument("--window-s", type=int, default=60, help="the length of each window of the per-window rates")
     schedule.add_argument("--into", default=None, help="a JSON file (a ceiling's) to add the schedule to, if it exists")
     summary = commands.add_parser("summary", help="the regenerate stage's row against the ceiling")
     summary.add_argument("--workdir", required=True)
@@ -427,6 +589,7 @@ def main(argv=None) -> int:
     summary.add_argument("--ceiling", default=None)
     summary.add_argument("--ready", default=None, help="the file watch wrote (when the server was ready)")
     summary.add_argument("--server-log", default=None, help="the workflow's server log (see schedule)")
+    summary.add_argument("--cpu", default=None, help="what cpu sampled during the workflow's run")
     summary.add_argument("--out", required=True)
     watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
     watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")
@@ -443,11 +606,19 @@ def main(argv=None) -> int:
     prof.add_argument("--trace-dir", required=True, help="where the server writes its trace")
     prof.add_argument("--timeout-s", type=float, default=1800.0, help="for the record, the --wait-for file and the profile each")
     prof.add_argument("--out", required=True)
+    cpu = commands.add_parser("cpu", help="the cores each part of a busy regeneration keeps busy (server processes, clients)")
+    when = cpu.add_mutually_exclusive_group(required=True)
+    when.add_argument("--record", default=None, help="the workflow server's service record: sampled once it is ready")
+    when.add_argument("--wait-for", default=None, help="a file that appears when the load starts (ceiling --load-started)")
+    cpu.add_argument("--after-s", type=float, default=60.0, help="seconds into the load before sampling")
+    cpu.add_argument("--seconds", type=float, default=30.0, help="how long to sample")
+    cpu.add_argument("--timeout-s", type=float, default=1800.0, help="for the record or the --wait-for file")
+    cpu.add_argument("--out", required=True)
     options = parser.parse_args(argv)
     if options.command == "watch":
         return 0 if watch_ready(Path(options.record), Path(options.out)) is not None else 1
     commands = {"ceiling": cmd_ceiling, "pick": cmd_pick, "schedule": cmd_schedule, "summary": cmd_summary,
-                "profile": cmd_profile}
+                "profile": cmd_profile, "cpu": cmd_cpu}
     return commands[options.command](options)
 
 

@@ -34,6 +34,11 @@
 # CEILING_PROFILE_AFTER_S (5) after its ceiling's load started (the client's warm-up request
 # done), and of the workflow's, WORKFLOW_PROFILE_AFTER_S (90) after it is ready ->
 # OUTDIR/profile-*.json, broken down by stage and forward mode; traces in OUTDIR/profiles/),
+# CPU_SAMPLE_S (60; 0 = none: the cores each part of the workflow's run keeps busy, SGLang's
+# processes and the clients, sampled from /proc for that long, CPU_SAMPLE_AFTER_S after its
+# server is ready, by default 30 s after the profile -> OUTDIR/cpu-workflow.json, in the
+# summary), CEILING_CPU_S (10; 0 = none) and CEILING_CPU_AFTER_S (8: into each ceiling's load ->
+# OUTDIR/cpu-ceiling-*.json),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -157,6 +162,13 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
             --out "$OUT/profile-ceiling-$label.json" > /dev/null 2>&1 &
         profiler=$!
     fi
+    local sampler=
+    if [ "${CEILING_CPU_S:-10}" != 0 ]; then  # which process holds the ceiling back, if one does
+        "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$load_started" --after-s "${CEILING_CPU_AFTER_S:-8}" \
+            --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 \
+            --out "$OUT/cpu-ceiling-$label.json" > /dev/null 2>&1 &
+        sampler=$!
+    fi
     "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
         --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
@@ -167,6 +179,7 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         kill "$profiler" 2>/dev/null; wait "$profiler" 2>/dev/null
         log "profile $label: $(tr -d '\n' < "$OUT/profile-ceiling-$label.json" 2>/dev/null | cut -c1-300)"
     fi
+    [ -z "$sampler" ] || { wait "$sampler" 2>/dev/null; log "cpu $label: $(tr -d '\n' < "$OUT/cpu-ceiling-$label.json" 2>/dev/null | cut -c1-400)"; }
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
     # The server's own account of its scheduling, read once it has stopped writing its log.
     "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" --into "$OUT/ceiling-$label.json" > /dev/null
@@ -194,14 +207,22 @@ if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # the workflow's server, the same way,
         --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --out "$OUT/profile-workflow.json" > /dev/null 2>&1 &
     profiler=$!
 fi
+sampler=
+if [ "${CPU_SAMPLE_S:-60}" != 0 ]; then  # after the profile, which slows the server while it records
+    "$PY" benchmarks/sglang_regenerate.py cpu --record "$RECORD" \
+        --after-s "${CPU_SAMPLE_AFTER_S:-$(( ${WORKFLOW_PROFILE_AFTER_S:-90} + 30 ))}" \
+        --seconds "${CPU_SAMPLE_S:-60}" --out "$OUT/cpu-workflow.json" > /dev/null 2>&1 &
+    sampler=$!
+fi
 [ -n "${REGENERATE_TIMEOUT_S:-}" ] && LIMIT=(timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S")
 snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 rc=$?
 log "regenerate rc=$rc"
-kill $watcher $profiler 2>/dev/null
+kill $watcher $profiler $sampler 2>/dev/null
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
-    --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+    --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --cpu "$OUT/cpu-workflow.json" \
+    --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
 # The run's regenerated folder (shards and reports; the input of a drafter trained on the
 # target's own answers) beside the results, in parts of at most PART_MIB MiB, for nodes whose
 # results leave through channels that cap file sizes. At a checkout's root:

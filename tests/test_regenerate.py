@@ -362,6 +362,37 @@ def test_a_streamed_answer_is_aborted_at_its_first_loop_and_kept_as_the_full_ans
     assert report["generated_tokens"] < after["generated_tokens"]
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_generated(conversations, tmp_path,
+                                                                                       tiny_llama, chat_server, stream):
+    """regenerate.api generate: the client sends each prompt's ids to SGLang's /generate (no
+    rendering or tokenizing in the server), stopped at the template's end of turn, and checks
+    the ids it gets back for loops, streamed (aborting at the first loop) or whole. The shard
+    is the transformers backend's, which generates from the same ids with the same model."""
+    url = chat_server("--mode", "serve", "--stream-interval", "2", "--stream-token-delay-s", "0.01")
+    greedy = dict(temperature=0.0, max_new_tokens=48, max_len=2048, repetition_stop=3)
+    reference, in_process = run_shard(conversations, tmp_path, tiny_llama, name="reference", batch_rows=1, **greedy)
+    stats_before = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    served, report = run_shard(conversations, tmp_path, tiny_llama, name="served", backend="openai", url=url, api="generate",
+                               concurrency=2, stream=stream, **greedy)
+    stats = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    assert_accounted(report)
+    assert served == reference
+    for key in ("regenerated", "stopped_by_repetition", "finished_by_length", "failed"):
+        assert report[key] == in_process[key], key
+    assert report["stopped_by_repetition"] > 0
+    # A server counts an answer's stop token among its completion tokens; the in-process backend does not.
+    stopped = report["regenerated"] - report["stopped_by_repetition"] - report["finished_by_length"]
+    assert report["new_tokens"] == in_process["new_tokens"] + stopped
+    aborted = set(stats["aborted"]) - set(stats_before["aborted"])
+    if stream:  # every loop ended in the server as it was seen, before the answer's end
+        assert len(aborted) == report["stopped_by_repetition"]
+        assert report["generated_tokens"] < 48 * report["stopped_by_repetition"] + (report["new_tokens"] - 1)
+    else:
+        assert not aborted
+
+
 def test_the_repetition_stop_names_new_answers_only_when_it_is_on():
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     config["regenerate"] = {"enabled": True, "temperature": 0.7}
@@ -448,20 +479,22 @@ def test_smollm2_answers_real_sharegpt_turns_through_the_workflow(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("api", ["chat", "generate"])
 def test_the_regeneration_ceiling_asks_a_server_the_stages_prompts_with_the_runs_sampling(conversations, tmp_path, tiny_llama,
-                                                                                         chat_server):
+                                                                                         chat_server, api):
     """benchmarks/sglang_regenerate.py ceiling: what a plain client gets from the server on the
-    prompts the stage asks (any turn's, or first turns only), with the run's sampling settings."""
+    prompts the stage asks (any turn's, or first turns only), with the run's sampling settings,
+    through the route the stage's client uses (regenerate.api)."""
     import sys
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     import sglang_regenerate
 
-    url = chat_server()
+    url = chat_server("--mode", "serve")
     workdir = tmp_path / "work"
     workdir.mkdir()
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations,
-                                      regenerate={"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 6})
+                                      regenerate={"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 6, "api": api})
     out = tmp_path / "ceiling.json"
     assert sglang_regenerate.main(["ceiling", "--url", url, "--conversations", str(conversations), "--model-path",
                                    str(tiny_llama), "--config", str(configfile), "--prompts", "5", "--concurrency", "3",
@@ -473,28 +506,30 @@ def test_the_regeneration_ceiling_asks_a_server_the_stages_prompts_with_the_runs
     assert ceiling["turns"] == "all" and ceiling["server_flags"] == ["--scheduler-recv-interval", "16"]
     assert ceiling["server_env"] == {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}
     assert float((tmp_path / "load-started").read_text()) > 0
-    assert 0 < ceiling["generated_tokens"] <= 5 * 6 and ceiling["tokens_per_s"] > 0
+    assert (ceiling["api"], ceiling["route"]) == (api, {"chat": "/v1/chat/completions", "generate": "/generate"}[api])
+    assert 0 < ceiling["generated_tokens"] <= 5 * 6 and ceiling["tokens_per_s"] > 0 and ceiling["requests_per_s"] > 0
     assert sum(ceiling["finish_reasons"].values()) == 5
     # First turns only: every message before the first assistant turn.
     first, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), 2048, 3, seed=0, turns="first")
     assert skipped == 0 and len(first) == 3
-    assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt in first)
+    assert all(prompt and prompt[-1]["role"] == "user" and all(m["role"] != "assistant" for m in prompt) for prompt, _ in first)
     # Every turn: later turns' prompts hold the conversation so far, so they are longer.
     rows = [json.loads(line) for line in conversations.read_text().splitlines() if line.strip()]
     turns = sum(m["role"] == "assistant" for row in rows for m in row["messages"])
     every, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), 2048, turns, seed=0)
     assert skipped == 0 and len(every) == turns > len(rows)
-    assert all(prompt[-1]["role"] == "user" for prompt in every)
-    assert any(m["role"] == "assistant" for prompt in every for m in prompt)
+    assert all(prompt[-1]["role"] == "user" for prompt, _ in every)
+    assert any(m["role"] == "assistant" for prompt, _ in every for m in prompt)
     # Prompts of max_len tokens or more are left out, as the stage leaves them out.
     from eaglenest.stages.prepare import load_tokenizer, prompt_ids
 
     tokenizer = load_tokenizer(str(tiny_llama))
-    lengths = sorted(len(prompt_ids(tokenizer, prompt)) for prompt in every)
+    assert all(ids == prompt_ids(tokenizer, prompt) for prompt, ids in every)  # the ids /generate is sent
+    lengths = sorted(len(ids) for _, ids in every)
     max_len = lengths[len(lengths) // 2]
     short, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), max_len, turns, seed=0)
     assert skipped == sum(length >= max_len for length in lengths) > 0 and len(short) == turns - skipped
-    assert all(len(prompt_ids(tokenizer, prompt)) < max_len for prompt in short)
+    assert all(len(ids) < max_len for _, ids in short)
 
 
 def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_the_others():
@@ -588,6 +623,40 @@ def test_a_servers_log_tells_its_prefill_passes_and_decode_steps(tmp_path):
     assert schedule["decode_steps"] == 80 and schedule["prefill_passes_per_decode_step"] == 0.025
     assert schedule["mean_running_requests"] == 220.0 and schedule["highest_logged_gen_tokens_per_s"] == 43788.11
     assert (schedule["first_line"], schedule["last_line"]) == ("2026-12-03 18:50:01", "2026-12-03 18:50:03")
+    # Per window of the log: the requests that arrived (prefilled) and the batch that ran.
+    windows = sglang_regenerate.server_schedule(log, decode_log_interval=40, window_s=2)["windows"]
+    assert windows == [
+        {"from_s": 0, "requests_per_s": 2.0, "prompt_tokens_per_request": round(2642 / 4), "mean_running_requests": 251.0,
+         "mean_logged_gen_tokens_per_s": 13560.0},
+        {"from_s": 2, "requests_per_s": 0.0, "prompt_tokens_per_request": None, "mean_running_requests": 189.0,
+         "mean_logged_gen_tokens_per_s": 43788.1},
+    ]
+
+
+def test_the_cpu_sampler_names_the_parts_of_a_regeneration_and_their_busiest_threads():
+    """benchmarks/sglang_regenerate.py cpu: real busy processes, one titled as SGLang titles its
+    scheduler and one with a regenerate job's command line, each found with the cores it used."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    spin = "import time\nend = time.time() + 4\nwhile time.time() < end: pass"
+    busy = [subprocess.Popen(["bash", "-c", f'exec -a sglang::scheduler_TP0 {sys.executable} -c "$0"', spin]),
+            subprocess.Popen([sys.executable, "-c", spin, "/work/.snakemake/scripts/tmpx.regenerate.py"])]
+    try:
+        time.sleep(0.5)
+        sampled = sglang_regenerate.sample_cpu(1.5)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    parts = {part["role"]: part for part in sampled["parts"]}
+    assert sampled["machine_cpus"] >= 1 and sampled["machine_busy_cores"] > 0
+    for role in ("sglang::scheduler", "regenerate jobs (the workflow's clients)"):
+        assert parts[role]["processes"] >= 1 and parts[role]["cores"] > 0.2, parts
+        assert 0.2 < parts[role]["busiest_thread_cores"] <= parts[role]["cores"] + 0.05
 
 
 class CountingChatServer:
@@ -630,7 +699,8 @@ def test_the_ceiling_marks_its_loads_start_after_the_warm_up_request(tmp_path):
     marker = tmp_path / "load-started"
     server = CountingChatServer(marker)
     prompts = [[{"role": "user", "content": f"q{k}"}] for k in range(6)]
-    result = sglang_regenerate.measure_ceiling(server.url, "tiny", prompts, {"max_tokens": 1}, concurrency=3, seed=0,
+    bodies = [{"model": "tiny", "messages": messages, "max_tokens": 1} for messages in prompts]
+    result = sglang_regenerate.measure_ceiling(server.url, "/v1/chat/completions", bodies, concurrency=3, seed=0,
                                                on_load_start=lambda: atomic.write_text(marker, f"{time.time()}\n"))
     server.server.shutdown()
     assert result["prompts"] == 6 and result["generated_tokens"] == 6
@@ -780,16 +850,18 @@ def test_a_streamed_answer_checked_piece_by_piece_is_cut_where_the_whole_answer_
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         expected = regenerate.first_loop_cut(ids, 3)
         assert (expected is not None) == loops
-        check, cut, fed = regenerate.StreamedLoopCheck(tokenizer, 3), None, 0
-        for end in list(range(piece, len(ids), piece)) + [len(ids)]:
-            fed = end
-            cut = check.feed(tokenizer.decode(ids[:end], skip_special_tokens=True))
-            if cut is not None:
-                break
-        assert cut == expected
-        if loops:  # found at the first piece that completes the loop, not later
-            completes = next(n for n in range(len(ids) + 1) if regenerate.loop_cut(ids, 3, n) is not None)
-            assert fed - piece < completes <= fed
+        for by_ids in (False, True):  # the text so far (chat), or the ids so far (/generate)
+            check, cut, fed = regenerate.StreamedLoopCheck(tokenizer, 3), None, 0
+            for end in list(range(piece, len(ids), piece)) + [len(ids)]:
+                fed = end
+                cut = (check.feed_ids(ids[:end]) if by_ids
+                       else check.feed(tokenizer.decode(ids[:end], skip_special_tokens=True)))
+                if cut is not None:
+                    break
+            assert cut == expected
+            if loops:  # found at the first piece that completes the loop, not later
+                completes = next(n for n in range(len(ids) + 1) if regenerate.loop_cut(ids, 3, n) is not None)
+                assert fed - piece < completes <= fed
 
 
 def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_shard_and_split(tmp_path, tiny_llama):

@@ -408,7 +408,9 @@ def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_
         workdir, tiny_llama, conversations, run="tiny-regenerate-dry-run",
         data={"max_conversations": 20, "samples_per_shard": 10},
         regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95},
-        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
+        # The stand-in answers each request of the config's flags 0.3 s late, so the sweep's entry
+        # (which takes the delay away) is the faster, whatever else the machine is doing.
+        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5", "--delay-s", "0.3"]}},
     )
     environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
                    "PYTHONPATH": str(REPO), "CEILING_SWEEP": "--scheduler-recv-interval 16;--enable-prefill-delayer "
@@ -457,7 +459,9 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
         data={"max_conversations": 16, "samples_per_shard": 8},
         regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 6,
                     "concurrency": 2},
-        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5"]}},
+        # The stand-in answers each request of the config's flags 0.3 s late, so the sweep's entry
+        # (which takes the delay away) is the faster, whatever else the machine is doing.
+        extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5", "--delay-s", "0.3"]}},
     )
     python = [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "Snakefile"), "--directory", str(repo)]
     subprocess.run([*python, "--cores", "1", "--configfile", str(configfile), "--until", "ingest", "-q"], check=True,
@@ -465,28 +469,31 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     out = tmp_path / "out"
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "4",
                    "CEILING_CONCURRENCY": "2", "PART_MIB": "1", "CEILING_PROFILE_AFTER_S": "0",
+                   "CEILING_CPU_AFTER_S": "0", "CEILING_CPU_S": "0.5", "CPU_SAMPLE_AFTER_S": "0", "CPU_SAMPLE_S": "1",
                    "CEILING_SWEEP": "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --enable-prefill-delayer "
-                                    "--scheduler-recv-interval 16@4"}
+                                    "--scheduler-recv-interval 16 --delay-s 0@4"}
     result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
                             capture_output=True, text=True, env=environment, timeout=600)
     assert result.returncode == 0, (out / "steps.log").read_text()[-3000:] + result.stderr[-3000:]
     ceiling = json.loads((out / "ceiling.json").read_text())
     env = {"SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT": "1"}
     assert [(entry["server_flags"], entry["server_env"], entry["concurrency"]) for entry in ceiling["sweep"]] == [
-        ([], {}, 2), (["--enable-prefill-delayer", "--scheduler-recv-interval", "16"], env, 4)]
+        ([], {}, 2), (["--enable-prefill-delayer", "--scheduler-recv-interval", "16", "--delay-s", "0"], env, 4)]
     # The entry's environment reached its plain server alone.
     assert f"stand-in: SGLang environment {env}" in (out / "ceiling-server-1.log").read_text()
     assert "SGLang environment" not in (out / "ceiling-server-0.log").read_text()
     assert all(entry["tokens_per_s"] > 0 and "schedule" in entry for entry in ceiling["sweep"])
     assert ceiling["tokens_per_s"] == max(entry["tokens_per_s"] for entry in ceiling["sweep"])
+    picked_flags = ["--mem-fraction-static", "0.5", "--delay-s", "0", "--enable-prefill-delayer", "--scheduler-recv-interval", "16"]
+    assert ceiling["server_flags"] == ceiling["sweep"][1]["server_flags"]
     overlay = yaml.safe_load((out / "server-flags.yaml").read_text())
-    assert overlay["extract"]["sglang"]["extra_args"] == ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]
+    assert overlay["extract"]["sglang"]["extra_args"] == picked_flags  # the entry's --delay-s in the config's place
     assert overlay["extract"]["sglang"]["env"] == ceiling["server_env"]
     # The workflow's server was started with the picked flags and environment (extract.sglang.env).
     server_log = (repo / "logs" / "tiny-regenerate-driver" / "sglang" / "regenerate" / "server.log").read_text()
     assert f"stand-in: SGLang environment {env}" in server_log
     (ignored,) = [line for line in server_log.splitlines() if "ignoring SGLang flags" in line]
-    assert ignored.rstrip("]").endswith(", ".join(repr(flag) for flag in ["--mem-fraction-static", "0.5", *ceiling["server_flags"]]))
+    assert ignored.rstrip("]").endswith(", ".join(repr(flag) for flag in picked_flags if flag not in ("--delay-s", "0")))
     summary = json.loads((out / "sglang_regenerate.json").read_text())["regenerate"]
     assert summary["shards_done"] == 2 and summary["accounted"] and summary["regenerated"] > 0
     assert summary["ceiling_tokens_per_s"] == ceiling["tokens_per_s"] and "schedule" in summary
@@ -496,6 +503,11 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
         profiled = json.loads((out / f"profile-ceiling-{label}.json").read_text())
         assert "start_profile" in profiled["error"] and profiled["counted_from"] == str(out / f"ceiling-{label}.load-started")
         assert (out / f"ceiling-{label}.load-started").exists()
+    # The cores each part kept busy: sampled in every ceiling's load and in the workflow's run.
+    for label in (0, 1):
+        sampled = json.loads((out / f"cpu-ceiling-{label}.json").read_text())
+        assert sampled["seconds"] >= 0.5 and "ceiling client" in [part["role"] for part in sampled["parts"]], sampled
+    assert summary["cpu"]["seconds"] >= 1 and isinstance(summary["cpu"]["parts"], list)
     # The packed folder holds the shards and their reports (a rerun's inputs).
     listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
                              check=True).stdout.split()

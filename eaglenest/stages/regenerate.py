@@ -76,6 +76,7 @@ class Settings:
     url: str
     model: str | None
     concurrency: int
+    api: str
     stream: bool
     timeout_s: float
     backoff_s: float
@@ -100,6 +101,8 @@ class Generation:
     error: str | None = None
     # What the target generated for it, the part after a loop cut included (the server's work).
     generated_tokens: int = 0
+    # Those tokens themselves, through the stop token, where the backend has them (transformers).
+    output_ids: list[int] | None = None
 
 
 # --------------------------------------------------------------------------- loops
@@ -178,8 +181,13 @@ class StreamedLoopCheck:
 
     def feed(self, text: str) -> int | None:
         """The cut (tokens kept) once ``text``, the answer so far, holds a loop, else None."""
+        return self.feed_ids(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def feed_ids(self, ids: list[int]) -> int | None:
+        """The same for the answer's token ids so far (a server that streams ids: nothing to
+        tokenize, and the ids are the ones generated)."""
         checked = len(self.ids)
-        self.ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.ids = list(ids)
         return first_loop_cut(self.ids, self.repeats, start=max(0, checked - 4))
 
 
@@ -280,7 +288,7 @@ class TransformersBackend:
             reason = "repetition" if looped else "length" if stop is None else "stop"
             text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()
             generated = stop + 1 if stop is not None else len(row)
-            generations.append(Generation(text, reason, len(kept), generated_tokens=generated))
+            generations.append(Generation(text, reason, len(kept), generated_tokens=generated, output_ids=row[:generated]))
         return generations
 
     def generate(self, prompts: list[list[dict]], seed: int) -> list[Generation]:
@@ -315,32 +323,67 @@ class TransformersBackend:
 
 
 class OpenAIBackend:
-    """Chat completions from a running OpenAI-compatible server (SGLang on the node)."""
+    """Answers from a running server: OpenAI chat completions (``api: chat``, any
+    OpenAI-compatible server) or SGLang's native ``/generate`` with the prompt's token ids
+    (``api: generate``, the workflow's own SGLang server)."""
 
     def __init__(self, model_path: str | os.PathLike, settings: Settings, model_name: str):
         self.settings = settings
         self.model_name = settings.model or model_name
-        self.endpoint = settings.url.rstrip("/") + "/v1/chat/completions"
-        self.abort_endpoint = settings.url.rstrip("/") + "/abort_request"
-        # The tokenizer only measures prompts against max_len; the server generates.
+        base = settings.url.rstrip("/")
+        self.endpoint = base + ("/generate" if settings.api == "generate" else "/v1/chat/completions")
+        self.abort_endpoint = base + "/abort_request"
+        # The tokenizer measures prompts against max_len (and, for /generate, gives the ids sent).
         self.tokenizer = load_tokenizer(model_path)
+        # /generate ends at the model's eos only; a chat server also stops at the template's end of turn.
+        self.stop_ids = end_of_turn_ids(self.tokenizer) if settings.api == "generate" else []
+        self._last_prompt = threading.local()  # each conversation's thread measures a prompt, then sends it
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        key = tuple((m["role"], m["content"]) for m in messages)
+        last = getattr(self._last_prompt, "value", None)
+        if last is None or last[0] != key:
+            last = self._last_prompt.value = (key, prompt_ids(self.tokenizer, messages))
+        return last[1]
 
     def prompt_length(self, messages: list[dict]) -> int:
-        return len(prompt_ids(self.tokenizer, messages))
+        return len(self.prompt_ids(messages))
+
+    def _body(self, messages: list[dict], seed: int, streamed: bool) -> dict:
+        s = self.settings
+        if s.api == "generate":  # SGLang's GenerateReqInput and SamplingParams
+            return {"input_ids": self.prompt_ids(messages), "stream": streamed,
+                    "sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
+                                        "stop_token_ids": self.stop_ids, "sampling_seed": seed}}
+        body = {"model": self.model_name, "messages": messages, "temperature": s.temperature, "top_p": s.top_p,
+                "max_tokens": s.max_new_tokens, "seed": seed}
+        if streamed:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
+    def _answer(self, answer: dict) -> Generation:
+        """A whole (unstreamed) answer."""
+        if self.settings.api == "generate":
+            ids = answer["output_ids"]
+            meta = answer["meta_info"]
+            generation = self._from_ids(ids, (meta.get("finish_reason") or {}).get("type"), int(meta["completion_tokens"]))
+            return self._without_loop(generation, ids)
+        choice = answer["choices"][0]
+        text = choice["message"]["content"]
+        if not isinstance(text, str):
+            raise ValueError("answer has no text content")
+        completion_tokens = int((answer.get("usage") or {}).get("completion_tokens", 0))
+        generation = Generation(text.strip(), choice.get("finish_reason"), completion_tokens, generated_tokens=completion_tokens)
+        return self._without_loop(generation)
+
+    def _from_ids(self, ids: list[int], finish_reason: str | None, completion_tokens: int) -> Generation:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        return Generation(text, finish_reason, completion_tokens, generated_tokens=completion_tokens)
 
     def _request(self, messages: list[dict], seed: int) -> Generation:
         s = self.settings
-        body = {
-            "model": self.model_name,
-            "messages": messages,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": s.max_new_tokens,
-            "seed": seed,
-        }
         streamed = s.stream and s.repetition_stop >= 2
-        if streamed:
-            body.update(stream=True, stream_options={"include_usage": True})
+        body = self._body(messages, seed, streamed)
         error = None
         for attempt in range(1, s.retries + 2):
             if streamed:  # a request id of its own per attempt, so that an abort names this one
@@ -350,18 +393,10 @@ class OpenAIBackend:
             )
             try:
                 with urllib.request.urlopen(request, timeout=s.timeout_s) as response:
-                    if streamed:
-                        return self._read_stream(response, body["rid"], attempt)
-                    answer = json.loads(response.read())
-                choice = answer["choices"][0]
-                text = choice["message"]["content"]
-                if not isinstance(text, str):
-                    raise ValueError("answer has no text content")
-                usage = answer.get("usage") or {}
-                completion_tokens = int(usage.get("completion_tokens", 0))
-                generation = Generation(text.strip(), choice.get("finish_reason"), completion_tokens, attempt,
-                                        generated_tokens=completion_tokens)
-                return self._without_loop(generation)
+                    generation = (self._read_stream(response, body["rid"]) if streamed
+                                  else self._answer(json.loads(response.read())))
+                generation.attempts = attempt
+                return generation
             except urllib.error.HTTPError as e:
                 error = f"HTTP {e.code}: {e.read()[:200].decode(errors='replace')}"
                 if e.code not in TRANSIENT_HTTP:
@@ -369,18 +404,19 @@ class OpenAIBackend:
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
                 # HTTPException: an answer cut off mid-body (IncompleteRead), e.g. a server dying mid-stream
                 error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-            except (KeyError, IndexError, ValueError) as e:
+            except (KeyError, IndexError, TypeError, ValueError) as e:
                 error = f"malformed answer: {type(e).__name__}: {e}"
             if attempt <= s.retries:
                 time.sleep(s.backoff_s * 2 ** (attempt - 1))
         return Generation(None, attempts=s.retries + 1, error=error)
 
-    def _read_stream(self, response, rid: str, attempt: int) -> Generation:
+    def _read_stream(self, response, rid: str) -> Generation:
         """Read a streamed answer (server-sent events) and check it for a loop as it grows;
         at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
         and hang up (what a server without that route sees), so the server stops generating
         what the cut would throw away (docs/regeneration.md has the servers' source lines)."""
-        text, finish_reason, usage, fed = "", None, None, 0
+        generate = self.settings.api == "generate"
+        text, ids, finish_reason, usage, fed = "", [], None, None, 0
         check = StreamedLoopCheck(self.tokenizer, self.settings.repetition_stop)
         for raw in response:
             line = raw.decode("utf-8").strip()
@@ -392,24 +428,38 @@ class OpenAIBackend:
             chunk = json.loads(data)
             if chunk.get("object") == "error" or isinstance(chunk.get("error"), dict):  # a failure reported in-band
                 raise ValueError(f"stream error: {chunk.get('message') or chunk['error'].get('message')}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                text += (choice.get("delta") or {}).get("content") or ""
-                finish_reason = choice.get("finish_reason") or finish_reason
-            if len(text) == fed:  # a finish or usage event: nothing new to check
-                continue
-            fed = len(text)
-            cut = check.feed(text)
+            if generate:
+                meta = chunk.get("meta_info") or {}
+                usage = {"completion_tokens": meta.get("completion_tokens", 0)}
+                finish_reason = (meta.get("finish_reason") or {}).get("type") or finish_reason
+                piece = chunk.get("output_ids") or []
+                # Each chunk holds the ids so far; with --incremental-streaming-output, only the new ones.
+                ids = ids + piece if len(piece) < int(meta.get("completion_tokens", 0)) else list(piece)
+                if len(ids) == fed:
+                    continue
+                fed = len(ids)
+                cut = check.feed_ids(ids)
+            else:
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    text += (choice.get("delta") or {}).get("content") or ""
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                if len(text) == fed:  # a finish or usage event: nothing new to check
+                    continue
+                fed = len(text)
+                cut = check.feed(text)
             if cut is not None:
                 self._abort(rid)
                 kept = self.tokenizer.decode(check.ids[:cut], skip_special_tokens=True).strip()
                 # The server's count stops here; the few tokens it made until the abort landed are not seen.
-                return Generation(kept, "repetition", cut, attempt, generated_tokens=len(check.ids))
+                return Generation(kept, "repetition", cut, generated_tokens=len(check.ids))
         if finish_reason in (None, "abort"):  # cut short: not an answer
             raise ValueError(f"stream ended without finishing (finish reason {finish_reason})")
         # The server's count; a server that sends no usage event: the answer's tokens as read.
         completion_tokens = int((usage or {}).get("completion_tokens", 0)) or len(check.ids)
-        generation = Generation(text.strip(), finish_reason, completion_tokens, attempt, generated_tokens=completion_tokens)
+        if generate:
+            return self._without_loop(self._from_ids(ids, finish_reason, completion_tokens), ids)
+        generation = Generation(text.strip(), finish_reason, completion_tokens, generated_tokens=completion_tokens)
         return self._without_loop(generation)
 
     def _abort(self, rid: str) -> None:
@@ -422,12 +472,14 @@ class OpenAIBackend:
         except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
             log.debug("abort of %s not taken: %s", rid, e)
 
-    def _without_loop(self, generation: Generation) -> Generation:
+    def _without_loop(self, generation: Generation, ids: list[int] | None = None) -> Generation:
         """The server ran to its own stop; cut the answer where the first loop completes
-        (the same cut the transformers backend makes while generating)."""
+        (the same cut the transformers backend makes while generating), on the ids the
+        server generated when it sent them, else on the answer's text tokenized."""
         if self.settings.repetition_stop < 2:
             return generation
-        ids = self.tokenizer(generation.text, add_special_tokens=False)["input_ids"]
+        if ids is None:
+            ids = self.tokenizer(generation.text, add_special_tokens=False)["input_ids"]
         kept, looped = cut_loop(ids, self.settings.repetition_stop)
         if looped:
             generation.text = self.tokenizer.decode(kept, skip_special_tokens=True).strip()

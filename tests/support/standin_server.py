@@ -22,7 +22,11 @@ A chat request with ``"stream": true`` is answered as SGLang streams it (server-
 with its ``rid`` stops the stream at the next chunk; ``GET /standin/stats`` lists the aborted
 request ids and the tokens streamed in all.
 
-Serving (``--mode serve``), ``POST /generate`` decodes greedily: with the target alone, or, given
+Serving (``--mode serve``), a ``POST /generate`` that streams or samples is regeneration
+(``regenerate.api: generate``): token ids in, the answer's output ids out, sampled with
+transformers and ended at ``stop_token_ids``, whole or streamed as SGLang streams /generate
+(each event holds the output ids so far), aborted like a chat stream. Any other ``POST
+/generate`` decodes greedily: with the target alone, or, given
 SGLang's EAGLE-3 flags (``--speculative-algorithm EAGLE3 --speculative-draft-model-path EXPORT
 --speculative-num-steps S --speculative-eagle-topk K --speculative-num-draft-tokens N``), by
 speculative decoding with the drafter export and eaglenest.model.speculate, and reports the cycles
@@ -179,6 +183,9 @@ def make_handler(options, state: dict):
             if options.delay_s:
                 time.sleep(options.delay_s)
             if state["model"].settings["mode"] == "serve":
+                sampling = request.get("sampling_params") or {}
+                if request.get("stream") or float(sampling.get("temperature", 1.0)) != 0:
+                    return self._generate_answer(request)  # regeneration (api: generate)
                 return self._generate(request)
             input_ids, rids = request.get("input_ids"), request.get("rid")
             batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
@@ -205,6 +212,47 @@ def make_handler(options, state: dict):
                     "completion_tokens": len(output_ids), "finish_reason": finish,
                     "e2e_latency": time.perf_counter() - began, **spec}
             return self._send(200, {"text": "", "output_ids": output_ids, "meta_info": meta})
+
+        def _generate_answer(self, request):
+            """One prompt of a /generate request as a serving SGLang answers regeneration: sampled
+            (or greedy) with transformers, ended at ``stop_token_ids``, whole or streamed as
+            SGLang streams /generate (each event holds the output ids so far)."""
+            input_ids, sampling = request.get("input_ids"), request.get("sampling_params") or {}
+            if not isinstance(input_ids, list) or not input_ids or not all(isinstance(i, int) for i in input_ids):
+                return self._send(400, {"error": {"message": "need input_ids, a list of ints (one prompt)"}})
+            with state["lock"]:
+                state["chat_requests"] += 1
+            answer = self._answer_with_generator(
+                lambda generator: generator._generate_group([input_ids], int(sampling.get("sampling_seed") or 0))[0],
+                float(sampling.get("temperature", 1.0)), float(sampling.get("top_p", 1.0)),
+                int(sampling.get("max_new_tokens", 128)), stop_ids=sampling.get("stop_token_ids"))
+            if answer.text is None:
+                return self._send(500, {"error": {"message": answer.error}})
+            ids, reason = answer.output_ids, {"type": "length" if answer.finish_reason == "length" else "stop"}
+            rid = request.get("rid") or f"req-{time.monotonic_ns()}"
+
+            def meta(count, finish=None) -> dict:
+                return {"id": rid, "prompt_tokens": len(input_ids), "completion_tokens": count, "finish_reason": finish}
+
+            if not request.get("stream"):
+                return self._send(200, {"text": answer.text, "output_ids": ids, "meta_info": meta(len(ids), reason)})
+            self._stream_tokens(request.get("rid"), ids,
+                                piece=lambda end: {"text": None, "output_ids": ids[:end], "meta_info": meta(end)},
+                                ending=lambda sent, aborted: [{"text": None, "output_ids": ids[:sent], "meta_info": meta(
+                                    sent, {"type": "abort"} if aborted else reason)}])
+
+        def _answer_with_generator(self, generate, temperature, top_p, max_new_tokens, stop_ids=None):
+            with state["generate_lock"]:  # one generate at a time on the one model
+                generator = state.get("chat") or chat_generator(options)
+                state["chat"] = generator
+                generator.settings = dataclasses.replace(generator.settings, temperature=temperature, top_p=top_p,
+                                                         max_new_tokens=max_new_tokens)
+                default_stop = generator.stop_ids
+                generator.stop_ids = list(stop_ids) if stop_ids else default_stop
+                try:
+                    return generate(generator)
+                finally:
+                    generator.stop_ids = default_stop
 
         def _prefill(self, input_ids, rid, return_hidden_states):
             """One sample of a /generate request, as the patched server answers it."""
@@ -245,20 +293,13 @@ def make_handler(options, state: dict):
                 return self._send(500, {"error": {"message": "internal error on this prompt"}})
             if options.delay_s:
                 time.sleep(options.delay_s)
-            with state["generate_lock"]:  # one generate at a time on the one model
-                generator = state.get("chat") or chat_generator(options)
-                state["chat"] = generator
-                generator.settings = dataclasses.replace(
-                    generator.settings,
-                    temperature=float(request.get("temperature", 1.0)),
-                    top_p=float(request.get("top_p", 1.0)),
-                    max_new_tokens=int(request.get("max_tokens", 128)),
-                )
-                (answer,) = generator.generate([messages], seed=int(request.get("seed", 0)))
+            (answer,) = self._answer_with_generator(
+                lambda generator: generator.generate([messages], seed=int(request.get("seed", 0))),
+                float(request.get("temperature", 1.0)), float(request.get("top_p", 1.0)), int(request.get("max_tokens", 128)))
             if answer.text is None:
                 return self._send(500, {"error": {"message": answer.error}})
             if request.get("stream"):
-                return self._stream_chat(request, answer, generator.tokenizer, count)
+                return self._stream_chat(request, answer, state["chat"].tokenizer, count)
             return self._send(200, {
                 "id": f"chatcmpl-{count}", "object": "chat.completion", "model": options.target,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
@@ -267,24 +308,46 @@ def make_handler(options, state: dict):
             })
 
         def _stream_chat(self, request, answer, tokenizer, count):
-            """The answer as SGLang streams it: a delta of text per ``--stream-interval`` tokens,
-            the finish reason, a usage chunk when asked, ``[DONE]``; an aborted request's
-            stream ends at the next chunk with finish reason ``abort``."""
+            """The answer as SGLang streams chat completions: a delta of text per
+            ``--stream-interval`` tokens, the finish reason, a usage chunk when asked, ``[DONE]``;
+            an aborted request's stream ends at the next chunk with finish reason ``abort``."""
+            ids = tokenizer(answer.text, add_special_tokens=False)["input_ids"]
+            sent = [""]
+
+            def chunk(content, reason=None) -> dict:
+                return {"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "model": options.target,
+                        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": reason}]}
+
+            def piece(end):
+                text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+                if not (text.startswith(sent[0]) and len(text) > len(sent[0])):  # hold back a character still incomplete
+                    return None
+                delta, sent[0] = text[len(sent[0]):], text
+                return chunk(delta)
+
+            def ending(sent_tokens, aborted):
+                events = [chunk("", "abort" if aborted else answer.finish_reason)]
+                if (request.get("stream_options") or {}).get("include_usage"):
+                    events.append({"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "choices": [],
+                                   "usage": {"completion_tokens": sent_tokens}})
+                return events
+
+            self._stream_tokens(request.get("rid"), ids, piece, ending)
+
+        def _stream_tokens(self, rid, ids, piece, ending):
+            """Server-sent events over ``ids``: ``piece(end)`` per ``--stream-interval`` tokens
+            (None: nothing to send yet), ``ending(tokens sent, aborted)``'s events, ``[DONE]``;
+            a request aborted (``/abort_request`` with its ``rid``) ends at the next piece."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
-            rid, ids = request.get("rid"), tokenizer(answer.text, add_special_tokens=False)["input_ids"]
-            sent, sent_tokens, finish_reason = "", 0, answer.finish_reason
+            sent_tokens, aborted = 0, False
 
             def event(payload) -> None:
                 self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
                 self.wfile.flush()
-
-            def chunk(content, reason=None) -> dict:
-                return {"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "model": options.target,
-                        "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": reason}]}
 
             try:
                 for end in range(options.stream_interval, len(ids) + options.stream_interval, options.stream_interval):
@@ -295,17 +358,13 @@ def make_handler(options, state: dict):
                         if not aborted:
                             state["streamed_tokens"] += end - sent_tokens
                     if aborted:
-                        finish_reason = "abort"
                         break
                     sent_tokens = end
-                    text = tokenizer.decode(ids[:end], skip_special_tokens=True)
-                    if text.startswith(sent) and len(text) > len(sent):  # hold back a character still incomplete
-                        event(chunk(text[len(sent):]))
-                        sent = text
-                event(chunk("", finish_reason))
-                if (request.get("stream_options") or {}).get("include_usage"):
-                    event({"id": f"chatcmpl-{count}", "object": "chat.completion.chunk", "choices": [],
-                           "usage": {"completion_tokens": sent_tokens}})
+                    payload = piece(end)
+                    if payload is not None:
+                        event(payload)
+                for payload in ending(sent_tokens, aborted):
+                    event(payload)
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):  # the client hung up
