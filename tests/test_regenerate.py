@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -391,6 +392,24 @@ def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_g
         assert report["generated_tokens"] < 48 * report["stopped_by_repetition"] + (report["new_tokens"] - 1)
     else:
         assert not aborted
+
+
+@pytest.mark.integration
+def test_the_client_cost_benchmark_runs_the_stages_client_on_both_routes(conversations, tmp_path, tiny_llama):
+    """benchmarks/regenerate_client_cost.py: the stage's client against a server in another
+    process that streams answers at once, chat and generate, every request answered."""
+    out = tmp_path / "cost.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "regenerate_client_cost.py"), "--model", str(tiny_llama),
+                             "--conversations", str(conversations), "--requests", "12", "--threads", "3",
+                             "--max-new-tokens", "24", "--stream-interval", "4", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    cost = json.loads(out.read_text())
+    assert [row["api"] for row in cost["rows"]] == ["chat", "generate"]
+    for row in cost["rows"]:
+        assert row["requests"] == 12 and row["failed"] == 0 and row["requests_per_s"] > 0
+        assert row["client_cpu_ms_per_request"] > 0
+    assert "| generate |" in result.stdout
 
 
 def test_the_repetition_stop_names_new_answers_only_when_it_is_on():
