@@ -435,15 +435,15 @@ def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
     from eaglenest.node.recon.processes import list_processes
 
     def snapshot() -> dict:
-        found = {}
-        for pid, info in list_processes(str(proc)).items():
+        processes, found = list_processes(str(proc)), {}
+        for pid, info in processes.items():
             role = cpu_role(info["cmdline"])
             parent = info["ppid"]
-            while role is None and parent in processes_now:  # a worker SGLang spawned, unnamed
-                parent_role = cpu_role(processes_now[parent]["cmdline"])
+            while role is None and parent in processes:  # a worker SGLang spawned, unnamed
+                parent_role = cpu_role(processes[parent]["cmdline"])
                 if parent_role and parent_role.startswith("sglang"):
                     role = "sglang (other processes)"
-                parent = processes_now[parent]["ppid"]
+                parent = processes[parent]["ppid"]
             if role is None:
                 continue
             try:
@@ -457,11 +457,9 @@ def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
         return sum(fields) - fields[3] - fields[4], sum(fields)  # all but idle and iowait, all
 
     ticks_per_s = os.sysconf("SC_CLK_TCK")
-    processes_now = list_processes(str(proc))
     busy_before, total_before = machine_busy_ticks()
     before, started = snapshot(), time.monotonic()
     time.sleep(seconds)
-    processes_now = list_processes(str(proc))
     after, elapsed = snapshot(), time.monotonic() - started
     busy_after, total_after = machine_busy_ticks()
     groups: dict[str, dict] = {}
