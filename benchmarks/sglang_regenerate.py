@@ -98,7 +98,7 @@ def ceiling_requests(prompts: list, model: str, section: dict, stop_ids: list[in
     if section["api"] == "generate":
         sampling = {"temperature": section["temperature"], "top_p": section["top_p"],
                     "max_new_tokens": section["max_new_tokens"], "stop_token_ids": stop_ids}
-        return "/generate", [{"input_ids": ids, "sampling_params": dict(sampling)} for _, ids in prompts]
+        return "/generate", [{"input_ids": ids, "sampling_params": sampling} for _, ids in prompts]
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     return "/v1/chat/completions", [{"model": model, "messages": messages, **sampling} for messages, _ in prompts]
 
@@ -110,11 +110,10 @@ def measure_ceiling(url: str, route: str, bodies: list[dict], concurrency: int, 
 
     def ask(indexed):
         index, body = indexed
-        body = json.loads(json.dumps(body))  # each request its own seed
-        if "sampling_params" in body:
-            body["sampling_params"]["sampling_seed"] = seed + index
+        if "sampling_params" in body:  # each request its own seed, the shared body left as it is
+            body = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": seed + index}}
         else:
-            body["seed"] = seed + index
+            body = {**body, "seed": seed + index}
         request = urllib.request.Request(endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())
@@ -160,8 +159,8 @@ def cmd_ceiling(options) -> int:
     section = config["regenerate"]
     prompts, skipped = sample_prompts(options.conversations, options.model_path, config["data"]["max_len"],
                                       options.prompts, options.seed, options.turns)
-    route, bodies = ceiling_requests(prompts, options.model or config["target"]["name"], section,
-                                     end_of_turn_ids(load_tokenizer(options.model_path)))
+    stop_ids = end_of_turn_ids(load_tokenizer(options.model_path)) if section["api"] == "generate" else []
+    route, bodies = ceiling_requests(prompts, options.model or config["target"]["name"], section, stop_ids)
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     # The profiler waits for the load itself, not for the warm-up (flashinfer may build its
     # kernels in it, for minutes on a fresh node).
@@ -280,12 +279,12 @@ def server_schedule(log_path: Path, decode_log_interval: int = 40, window_s: int
             if found["kind"] == "Prefill":
                 prefill_passes += 1
                 requests = int(number(rest, "#new-seq") or 0)
-                prompt_tokens = int(number(rest, "#new-token") or 0) + int(number(rest, "#cached-token") or 0)
+                new, cached = int(number(rest, "#new-token") or 0), int(number(rest, "#cached-token") or 0)
                 prefill_requests += requests
-                new_tokens += int(number(rest, "#new-token") or 0)
-                cached_tokens += int(number(rest, "#cached-token") or 0)
+                new_tokens += new
+                cached_tokens += cached
                 window["requests"] += requests
-                window["prompt_tokens"] += prompt_tokens
+                window["prompt_tokens"] += new + cached
             else:
                 decode_lines += 1
                 running.append(number(rest, "#running-req") or 0)
