@@ -104,12 +104,11 @@ def ceiling_requests(prompts: list, model: str, section: dict, stop_ids: list[in
 
 
 def measure_ceiling(url: str, route: str, bodies: list[dict], concurrency: int, seed: int, on_load_start=None) -> dict:
-    """The generation speed of ``concurrency`` requests in flight, after one warm-up request;
-    ``on_load_start`` is called as the first measured request goes out."""
+    """The generation speed of ``concurrency`` requests in flight from a plain client, after
+    one warm-up request; ``on_load_start`` is called as the first measured request goes out."""
     endpoint = url.rstrip("/") + route
 
-    def ask(indexed):
-        index, body = indexed
+    def ask(index, body):
         if "sampling_params" in body:  # each request its own seed, the shared body left as it is
             body = {**body, "sampling_params": {**body["sampling_params"], "sampling_seed": seed + index}}
         else:
@@ -118,23 +117,47 @@ def measure_ceiling(url: str, route: str, bodies: list[dict], concurrency: int, 
         with urllib.request.urlopen(request, timeout=600) as response:
             answer = json.loads(response.read())
         if "meta_info" in answer:  # /generate
-            return int(answer["meta_info"]["completion_tokens"]), (answer["meta_info"].get("finish_reason") or {}).get("type")
-        return int(answer["usage"]["completion_tokens"]), answer["choices"][0].get("finish_reason")
+            tokens = int(answer["meta_info"]["completion_tokens"])
+            return tokens, tokens, (answer["meta_info"].get("finish_reason") or {}).get("type")
+        tokens = int(answer["usage"]["completion_tokens"])
+        return tokens, tokens, answer["choices"][0].get("finish_reason")
 
-    ask((0, bodies[0]))  # warm-up
+    return {**timed_load(ask, bodies, concurrency, on_load_start), "route": route}
+
+
+def measure_workflow_client(backend, prompts: list, concurrency: int, seed: int, on_load_start=None) -> dict:
+    """The same load from the regenerate stage's own client (``OpenAIBackend.answer``: its
+    route, streaming and loop cut as the config sets them), one request per prompt; kept
+    tokens are what the stage would keep, generated ones what the server made for them."""
+
+    def ask(index, prompt):
+        generation = backend.answer(prompt[0], seed + index)
+        reason = generation.finish_reason if generation.error is None else "failed"
+        return generation.generated_tokens, generation.new_tokens, reason
+
+    return {**timed_load(ask, prompts, concurrency, on_load_start), "route": backend.endpoint.rsplit("/", 1)[-1],
+            "client": "workflow", "streamed": bool(backend.settings.stream and backend.settings.repetition_stop >= 2)}
+
+
+def timed_load(ask, items: list, concurrency: int, on_load_start=None) -> dict:
+    """``ask(index, item) -> (generated tokens, kept tokens, finish reason)`` over every item,
+    ``concurrency`` at a time, after the first item once as a warm-up."""
+    ask(0, items[0])
     if on_load_start is not None:
         on_load_start()
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        answers = list(pool.map(ask, enumerate(bodies)))
+        answers = list(pool.map(ask, range(len(items)), items))
     seconds = time.perf_counter() - started
-    generated = sum(tokens for tokens, _ in answers)
+    generated = sum(tokens for tokens, _, _ in answers)
+    kept = sum(tokens for _, tokens, _ in answers)
     reasons: dict = {}
-    for _, reason in answers:
+    for _, _, reason in answers:
         reasons[str(reason)] = reasons.get(str(reason), 0) + 1
-    return {"prompts": len(bodies), "concurrency": concurrency, "route": route, "generated_tokens": generated,
-            "seconds": round(seconds, 3), "requests_per_s": round(len(bodies) / seconds, 1),
-            "tokens_per_s": round(generated / seconds, 1), "finish_reasons": reasons}
+    return {"prompts": len(items), "concurrency": concurrency, "generated_tokens": generated, "kept_tokens": kept,
+            "seconds": round(seconds, 3), "requests_per_s": round(len(items) / seconds, 1),
+            "tokens_per_s": round(generated / seconds, 1), "kept_tokens_per_s": round(kept / seconds, 1),
+            "finish_reasons": reasons}
 
 
 def server_env(words: str) -> dict:
@@ -159,14 +182,21 @@ def cmd_ceiling(options) -> int:
     section = config["regenerate"]
     prompts, skipped = sample_prompts(options.conversations, options.model_path, config["data"]["max_len"],
                                       options.prompts, options.seed, options.turns)
-    stop_ids = end_of_turn_ids(load_tokenizer(options.model_path)) if section["api"] == "generate" else []
-    route, bodies = ceiling_requests(prompts, options.model or config["target"]["name"], section, stop_ids)
     sampling = {"temperature": section["temperature"], "top_p": section["top_p"], "max_tokens": section["max_new_tokens"]}
     # The profiler waits for the load itself, not for the warm-up (flashinfer may build its
     # kernels in it, for minutes on a fresh node).
     # Written whole or not at all (eaglenest.formats.atomic): whoever waits for it reads it complete.
     on_load_start = (lambda: atomic.write_text(options.load_started, f"{time.time()}\n")) if options.load_started else None
-    result = measure_ceiling(options.url, route, bodies, options.concurrency, options.seed, on_load_start)
+    if options.client == "workflow":
+        from eaglenest.stages.regenerate import OpenAIBackend, Settings
+
+        settings = Settings.from_config({**section, "url": options.url, "model": options.model or section.get("model")})
+        backend = OpenAIBackend(options.model_path, settings, config["target"]["name"])
+        result = measure_workflow_client(backend, prompts, options.concurrency, options.seed, on_load_start)
+    else:
+        stop_ids = end_of_turn_ids(load_tokenizer(options.model_path)) if section["api"] == "generate" else []
+        route, bodies = ceiling_requests(prompts, options.model or config["target"]["name"], section, stop_ids)
+        result = measure_ceiling(options.url, route, bodies, options.concurrency, options.seed, on_load_start)
     result.update(sampling=sampling, api=section["api"], turns=options.turns, skipped_beyond_max_len=skipped, seed=options.seed,
                   server_flags=options.server_flags.split(), server_env=server_env(options.server_env))
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -560,6 +590,9 @@ def main(argv=None) -> int:
     ceiling.add_argument("--prompts", type=int, default=2048)
     ceiling.add_argument("--concurrency", type=int, default=256)
     ceiling.add_argument("--seed", type=int, default=0)
+    ceiling.add_argument("--client", choices=["plain", "workflow"], default="plain",
+                         help="plain: one unstreamed request per prompt (the engine's ceiling); workflow: the "
+                              "regenerate stage's own client, streamed and loop-cut as the config says")
     ceiling.add_argument("--turns", choices=["all", "first"], default="all",
                          help="sample the prompts of every assistant turn (default) or of first turns only")
     ceiling.add_argument("--server-flags", default="",

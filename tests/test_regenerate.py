@@ -364,14 +364,18 @@ def test_a_streamed_answer_is_aborted_at_its_first_loop_and_kept_as_the_full_ans
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, True, "incremental"])
 def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_generated(conversations, tmp_path,
                                                                                        tiny_llama, chat_server, stream):
     """regenerate.api generate: the client sends each prompt's ids to SGLang's /generate (no
     rendering or tokenizing in the server), stopped at the template's end of turn, and checks
-    the ids it gets back for loops, streamed (aborting at the first loop) or whole. The shard
-    is the transformers backend's, which generates from the same ids with the same model."""
-    url = chat_server("--mode", "serve", "--stream-interval", "2", "--stream-token-delay-s", "0.01")
+    the ids it gets back for loops, streamed (aborting at the first loop) or whole. Streamed
+    chunks carry every id so far (SGLang's default) or only their new ones
+    (--incremental-streaming-output). The shard is the transformers backend's, which generates
+    from the same ids with the same model."""
+    incremental = ["--incremental-streaming-output"] if stream == "incremental" else []
+    url = chat_server("--mode", "serve", "--stream-interval", "2", "--stream-token-delay-s", "0.01", *incremental)
+    stream = bool(stream)
     greedy = dict(temperature=0.0, max_new_tokens=48, max_len=2048, repetition_stop=3)
     reference, in_process = run_shard(conversations, tmp_path, tiny_llama, name="reference", batch_rows=1, **greedy)
     stats_before = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
@@ -549,6 +553,38 @@ def test_the_regeneration_ceiling_asks_a_server_the_stages_prompts_with_the_runs
     short, skipped = sglang_regenerate.sample_prompts(str(conversations), str(tiny_llama), max_len, turns, seed=0)
     assert skipped == sum(length >= max_len for length in lengths) > 0 and len(short) == turns - skipped
     assert all(len(ids) < max_len for _, ids in short)
+
+
+@pytest.mark.integration
+def test_the_ceiling_can_load_the_server_through_the_stages_own_streamed_client(conversations, tmp_path, tiny_llama,
+                                                                                chat_server):
+    """ceiling --client workflow: the same prompts through the regenerate stage's client
+    (token ids to /generate, streamed, a loop aborted as it is seen), so a run's server cost of
+    streaming is measured beside the plain ceiling on one server."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    url = chat_server("--mode", "serve", "--stream-interval", "2")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations,
+                                      regenerate={"temperature": 0.0, "max_new_tokens": 32, "api": "generate",
+                                                  "stream": True, "repetition_stop": 3})
+    out = tmp_path / "ceiling.json"
+    stats_before = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    assert sglang_regenerate.main(["ceiling", "--client", "workflow", "--url", url, "--conversations", str(conversations),
+                                   "--model-path", str(tiny_llama), "--config", str(configfile), "--prompts", "6",
+                                   "--concurrency", "3", "--out", str(out)]) == 0
+    stats = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
+    ceiling = json.loads(out.read_text())
+    assert (ceiling["client"], ceiling["route"], ceiling["streamed"]) == ("workflow", "generate", True)
+    assert sum(ceiling["finish_reasons"].values()) == 6 and "failed" not in ceiling["finish_reasons"]
+    looped = ceiling["finish_reasons"].get("repetition", 0)
+    assert looped > 0  # greedy answers of a random model loop; each one was aborted in the server
+    assert len(set(stats["aborted"]) - set(stats_before["aborted"])) >= looped  # the warm-up may loop too
+    assert 0 < ceiling["kept_tokens"] < ceiling["generated_tokens"] and ceiling["kept_tokens_per_s"] > 0
 
 
 def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_the_others():

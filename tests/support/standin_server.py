@@ -236,10 +236,16 @@ def make_handler(options, state: dict):
 
             if not request.get("stream"):
                 return self._send(200, {"text": answer.text, "output_ids": ids, "meta_info": meta(len(ids), reason)})
-            self._stream_tokens(request.get("rid"), ids,
-                                piece=lambda end: {"text": None, "output_ids": ids[:end], "meta_info": meta(end)},
-                                ending=lambda sent, aborted: [{"text": None, "output_ids": ids[:sent], "meta_info": meta(
-                                    sent, {"type": "abort"} if aborted else reason)}])
+            incremental = options.incremental_streaming_output
+            streamed = [0]  # ids sent so far: an incremental chunk carries only the ones after them
+
+            def piece(end) -> dict:
+                start, streamed[0] = (streamed[0] if incremental else 0), end
+                return {"text": None, "output_ids": ids[start:end], "meta_info": meta(end)}
+
+            self._stream_tokens(request.get("rid"), ids, piece=piece,
+                                ending=lambda sent, aborted: [{"text": None, "output_ids": [] if incremental else ids[:sent],
+                                                               "meta_info": meta(sent, {"type": "abort"} if aborted else reason)}])
 
         def _answer_with_generator(self, generate, temperature, top_p, max_new_tokens, stop_ids=None):
             with state["generate_lock"]:  # one generate at a time on the one model
@@ -431,6 +437,8 @@ def parse_args(argv=None):
     parser.add_argument("--chat-fail-first", type=int, default=0, help="answer the first N chat requests with 503")
     parser.add_argument("--chat-fail-containing", default=None, help="answer 500 to chat requests whose user turns contain this text")
     parser.add_argument("--stream-interval", type=int, default=1, help="SGLang's: tokens per streamed chunk")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="SGLang's: a /generate chunk carries its new ids only, not every id so far")
     parser.add_argument("--stream-token-delay-s", type=float, default=0.0, help="a pause per streamed token (decode time)")
     parser.add_argument("--mode", choices=["capture", "serve"], default=None,
                         help="what /eaglenest/info says the server was started for (default: the launcher's settings, else capture)")
