@@ -76,6 +76,8 @@ def prepared_key(config: dict) -> str:
         settings["regenerate"] = regeneration(config)
         if config["regenerate"].get("mix_original"):  # the original answers beside them
             settings["mix_original"] = True
+        if config["regenerate"].get("original_share"):  # or instead of them, for a share
+            settings["original_share"] = config["regenerate"]["original_share"]
     blob = json.dumps(settings, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -65,10 +65,22 @@ def prepare_conversations(wildcards):
 
 def prepare_originals(wildcards):
     """The ingested conversations, whose original answers a shard keeps beside the
-    regenerated ones (regenerate.mix_original), or none."""
-    if plan.regeneration(config) and config["regenerate"]["mix_original"]:
+    regenerated ones (regenerate.mix_original) or instead of them for a share of the
+    conversations (regenerate.original_share), or none."""
+    regenerate = config["regenerate"]
+    if plan.regeneration(config) and (
+        regenerate["mix_original"] or regenerate["original_share"]
+    ):
         return [LAYOUT.conversations()]
     return []
+
+
+if config["regenerate"]["mix_original"] and config["regenerate"]["original_share"]:
+    raise ValueError(
+        "regenerate.mix_original keeps every conversation's original answers beside the "
+        "target's; regenerate.original_share keeps them instead of the target's for a share "
+        "of the conversations: set one of them"
+    )
 
 
 def regeneration_targets():

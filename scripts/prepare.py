@@ -20,5 +20,8 @@ stats = prepare.prepare_shard(
     max_len=snakemake.params.max_len,
     target_name=snakemake.params.target_name,
     originals_paths=list(snakemake.input.originals),
+    # from the config, not params, as the shard count (see above)
+    original_share=snakemake.config["regenerate"]["original_share"],
+    share_seed=snakemake.config["regenerate"]["seed"],
 )
 logging.info("prepare: %s", stats)

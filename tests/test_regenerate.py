@@ -954,15 +954,64 @@ def test_original_answers_kept_beside_regenerated_ones_share_the_conversations_s
     assert {in_validation(i, 0.5, 3) for i in mine} == {True, False}
 
 
+def test_a_share_of_conversations_keeps_its_original_answers_instead_of_the_targets(tmp_path, tiny_llama):
+    """regenerate.original_share: each conversation once, the picked share as <id>@original
+    with its original answers, the rest as the target answered; picked by id and seed, apart
+    from the validation split; a conversation the regeneration dropped stays dropped."""
+    raw = synthetic_conversations(tmp_path / "raw.jsonl", 40, seed=5)
+    originals = tmp_path / "originals.jsonl"
+    ingest.ingest([{"name": "synthetic", "path": str(raw)}], originals, tmp_path / "ingest.json", max_conversations=40,
+                  leading_assistant="drop_turn")
+    rows = read_jsonl(originals)
+    dropped = rows[0]["sample_id"]
+    regenerated = tmp_path / "regenerated.jsonl"
+    regenerated.write_text("".join(json.dumps({**c, "messages": [
+        dict(m, content="a regenerated answer") if m["role"] == "assistant" else m for m in c["messages"]]}) + "\n"
+        for c in rows if c["sample_id"] != dropped))
+    from eaglenest.formats import shards
+    from eaglenest.stages.consolidate import in_validation
+
+    def prepared(share, seed=0, name="shard"):
+        out = tmp_path / f"{name}.safetensors"
+        stats = prepare.prepare_shard([regenerated], tiny_llama, out, shard_id=0, num_shards=1, max_len=256,
+                                      target_name="tiny-llama", originals_paths=[originals], original_share=share,
+                                      share_seed=seed)
+        reader = shards.ShardReader.open(out)
+        return stats, dict(zip(reader.sample_ids, reader.tensor("input_ids").split(reader.token_counts)))
+
+    kept = sorted(c["sample_id"] for c in rows if c["sample_id"] != dropped)
+    stats, tokens = prepared(0.5)
+    picked = [i for i in kept if prepare.takes_original(i, 0.5, 0)]
+    assert 0 < len(picked) < len(kept)
+    assert sorted(tokens) == sorted([i + ingest.ORIGINAL_SUFFIX for i in picked] + [i for i in kept if i not in picked])
+    assert stats["original_samples"] == len(picked) and stats["samples"] == len(kept)
+    assert dropped not in tokens and dropped + ingest.ORIGINAL_SUFFIX not in tokens
+    # The picked ones hold the original answers, the others the target's.
+    _, every_original = prepared(1.0, name="all-original")
+    for i in picked:
+        assert torch.equal(tokens[i + ingest.ORIGINAL_SUFFIX], every_original[i + ingest.ORIGINAL_SUFFIX])
+    assert set(every_original) == {i + ingest.ORIGINAL_SUFFIX for i in kept}
+    # Another seed picks others; both sides of a split get a share.
+    assert picked != [i for i in kept if prepare.takes_original(i, 0.5, 1)]
+    assert {in_validation(i, 0.5, 0) for i in picked} == {True, False}
+    with pytest.raises(ValueError, match="originals_paths"):
+        prepare.prepare_shard([regenerated], tiny_llama, tmp_path / "x.safetensors", shard_id=0, num_shards=1,
+                              max_len=256, target_name="tiny-llama", original_share=0.5)
+
+
 @pytest.mark.workflow
-def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_conversation(tmp_path, tiny_llama):
-    """regenerate.mix_original through the Snakefile; the run also keeps an earlier run's
-    draft vocabulary (consolidate.draft_vocab_from), as a warm start on new data needs."""
+@pytest.mark.parametrize("mixing", ["mix_original", "original_share"])
+def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_conversation(tmp_path, tiny_llama, mixing):
+    """regenerate.mix_original (both versions of every conversation) and
+    regenerate.original_share (the original instead of the target's answers for a share)
+    through the Snakefile; the run also keeps an earlier run's draft vocabulary
+    (consolidate.draft_vocab_from), as a warm start on new data needs. Both together are refused."""
     from eaglenest.formats import vocab
 
     conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 16)
+    setting = {"mix_original": True} if mixing == "mix_original" else {"original_share": 0.5}
     configfile = tiny_workflow_config(tmp_path, tiny_llama, conversations, data={"max_conversations": 16},
-                                      regenerate={**REGENERATE_TINY, "mix_original": True})
+                                      regenerate={**REGENERATE_TINY, **setting})
     config = yaml.safe_load(configfile.read_text())
     sizes = config["target"]["vocab_size"], config["consolidate"]["draft_vocab_size"]
     earlier = tmp_path / "earlier_draft_vocab.safetensors"
@@ -970,17 +1019,29 @@ def test_a_run_that_keeps_original_answers_trains_on_both_with_one_split_per_con
     vocab.save_draft_vocab(earlier, d2t, t2d, torch.zeros(sizes[0], dtype=torch.int64), {})
     config["consolidate"].update(val_fraction=0.3, draft_vocab_from=str(earlier))
     configfile.write_text(yaml.safe_dump(config, sort_keys=False))
-    plain = dict(config, regenerate={**config["regenerate"], "mix_original": False})
+    plain = dict(config, regenerate={**config["regenerate"], "mix_original": False, "original_share": 0})
     assert plan.prepared_key(config) != plan.prepared_key(plain)  # its own prepared shards
     assert plan.regeneration_key(config) == plan.regeneration_key(plain)  # the same regenerated ones
+    both = tmp_path / "both.yaml"
+    both.write_text(yaml.safe_dump(dict(config, regenerate={**config["regenerate"], "mix_original": True,
+                                                            "original_share": 0.5}), sort_keys=False))
+    refused = run_snakemake(tmp_path, both, "-n", check=False)
+    assert refused.returncode != 0 and "set one of them" in refused.stdout + refused.stderr
     run_snakemake(tmp_path, configfile, "--cores", "2", "prepare_report", "regenerate_report",
                   f"results/{config['run']}/consolidated/split.json")
     report = json.loads(next(tmp_path.glob("results/*/prepared/*/prepare_report.json")).read_text())
     regenerated = json.loads(next(tmp_path.glob("results/*/regenerated/*/regenerate_report.json")).read_text())
-    assert report["original_samples"] == regenerated["conversations_out"] == report["samples"] // 2
+    if mixing == "mix_original":
+        assert report["original_samples"] == regenerated["conversations_out"] == report["samples"] // 2
+    else:  # each conversation once, a share of them with its original answers
+        assert report["samples"] == regenerated["conversations_out"] and 0 < report["original_samples"] < report["samples"]
     split = json.loads(next(tmp_path.glob("results/*/consolidated/split.json")).read_text())
     side = {sample_id: name for name in ("train", "val") for sample_id in split[name]}
     assert len(side) == report["samples"] and split["val"] and split["train"]
-    assert all(side[i] == side[ingest.base_sample_id(i)] for i in side if i.endswith(ingest.ORIGINAL_SUFFIX))
+    from eaglenest.stages.consolidate import in_validation
+
+    split_side = lambda i: "val" if in_validation(ingest.base_sample_id(i), 0.3, config["consolidate"]["seed"]) else "train"
+    assert all(side[i] == split_side(i) for i in side)  # a conversation's side, whichever version it trains on
+    assert any(i.endswith(ingest.ORIGINAL_SUFFIX) for i in split["val"] + split["train"])
     kept = vocab.load_draft_vocab(next(tmp_path.glob("results/*/consolidated/draft_vocab.safetensors")))
     assert torch.equal(kept["d2t"], d2t) and torch.equal(kept["t2d"], t2d)

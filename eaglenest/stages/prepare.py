@@ -14,7 +14,9 @@ Originals beside regenerated answers (``regenerate.mix_original``): a shard then
 conversation twice, the target's answers under its sample id and the original answers under
 ``<sample id>@original``; both were picked by the id before the suffix, and consolidate splits
 by it too (``ingest.base_sample_id``), so a conversation's two versions never sit on both sides of
-the train/validation split.
+the train/validation split. Originals instead of regenerated answers for a share of the
+conversations (``regenerate.original_share``): each conversation once, as the target answered
+it or, when picked, as ``<sample id>@original``: a mixed set of the regenerated set's size.
 """
 
 from __future__ import annotations
@@ -95,6 +97,14 @@ def shard_conversations(conversations_paths, shard_id: int, num_shards: int) -> 
     ]
 
 
+def takes_original(sample_id: str, share: float, seed: int) -> bool:
+    """Whether a conversation keeps its original answers (``regenerate.original_share``): by
+    a hash of its id and the seed, salted apart from the validation split's (consolidate's
+    ``in_validation``), so both sides of the split get the same share."""
+    digest = hashlib.sha256(f"original-share:{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < share
+
+
 def tokenize_samples(tokenizer, conversations, max_len: int) -> tuple[list[dict], dict]:
     """Samples of the conversations (sorted by id) and the counts of what was cut or dropped."""
     samples = []
@@ -134,18 +144,31 @@ def prepare_shard(
     max_len: int,
     target_name: str,
     originals_paths: list | None = None,
+    original_share: float = 0.0,
+    share_seed: int = 0,
 ) -> dict:
     """Tokenize the conversations of one shard and write its prepared shard (rule prepare).
 
     ``conversations_paths``: the ingested conversations (all shards; this one's are picked
     by the hash of their ids), or this shard's regenerated conversations.
     ``originals_paths``: the ingested conversations, whose original answers this shard also
-    keeps, as ``<sample id>@original`` (``regenerate.mix_original``).
+    keeps, as ``<sample id>@original``: beside the regenerated ones
+    (``regenerate.mix_original``), or, with ``original_share`` > 0, instead of them for the
+    conversations that ``takes_original`` picks (``regenerate.original_share``).
     """
     tokenizer = load_tokenizer(target_path)
     conversations = shard_conversations(conversations_paths, shard_id, num_shards)
     originals = shard_conversations(originals_paths, shard_id, num_shards) if originals_paths else []
-    conversations += [dict(c, sample_id=c["sample_id"] + ORIGINAL_SUFFIX) for c in originals]
+    as_original = [dict(c, sample_id=c["sample_id"] + ORIGINAL_SUFFIX) for c in originals]
+    if original_share > 0:
+        if not originals_paths:
+            raise ValueError("original_share needs the ingested conversations (originals_paths) to take answers from")
+        by_id = {c["sample_id"]: c for c in as_original}
+        # A conversation the regeneration dropped stays dropped; one it kept swaps when picked.
+        conversations = [by_id.get(c["sample_id"] + ORIGINAL_SUFFIX, c)
+                         if takes_original(c["sample_id"], original_share, share_seed) else c for c in conversations]
+    else:
+        conversations += as_original
     samples, counts = tokenize_samples(tokenizer, conversations, max_len)
     if originals_paths:
         counts["original_samples"] = sum(s["sample_id"].endswith(ORIGINAL_SUFFIX) for s in samples)

@@ -81,8 +81,10 @@ class Settings:
     timeout_s: float
     backoff_s: float
     threads: int
-    # read by prepare, not here: the original answers kept beside the regenerated ones
+    # read by prepare, not here: the original answers kept beside the regenerated ones, or
+    # instead of them for a share of the conversations
     mix_original: bool
+    original_share: float
 
     @classmethod
     def from_config(cls, section: dict | None = None) -> "Settings":
