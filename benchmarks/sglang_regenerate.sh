@@ -38,7 +38,9 @@
 # processes and the clients, sampled from /proc for that long, CPU_SAMPLE_AFTER_S after its
 # server is ready, by default 30 s after the profile -> OUTDIR/cpu-workflow.json, in the
 # summary), CEILING_CPU_S (10; 0 = none) and CEILING_CPU_AFTER_S (8: into each ceiling's load ->
-# OUTDIR/cpu-ceiling-*.json),
+# OUTDIR/cpu-ceiling-*.json), WORKFLOW_CLIENT_CEILING (1; 0 = none: after the config's own ceiling, the
+# same prompts on the same server through the stage's own streamed client, `ceiling --client
+# workflow` -> OUTDIR/client-workflow.json and OUTDIR/cpu-client-workflow.json),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -180,6 +182,21 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         log "profile $label: $(tr -d '\n' < "$OUT/profile-ceiling-$label.json" 2>/dev/null | cut -c1-300)"
     fi
     [ -z "$sampler" ] || { wait "$sampler" 2>/dev/null; log "cpu $label: $(tr -d '\n' < "$OUT/cpu-ceiling-$label.json" 2>/dev/null | cut -c1-400)"; }
+    if [ "$label" = 0 ] && [ "${WORKFLOW_CLIENT_CEILING:-1}" = 1 ]; then
+        # The same prompts on the same server through the stage's own client (streamed, loop-cut):
+        # what the client path costs, apart from the workflow's shards and turn order.
+        local client_started="$OUT/client-workflow.load-started"
+        "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$client_started" --after-s "${CEILING_CPU_AFTER_S:-8}" \
+            --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 --out "$OUT/cpu-client-workflow.json" > /dev/null 2>&1 &
+        local client_sampler=$!
+        "$PY" benchmarks/sglang_regenerate.py ceiling --client workflow --url http://127.0.0.1:30030 \
+            --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
+            --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
+            --server-env="${env_words[*]}" --load-started "$client_started" --out "$OUT/client-workflow.json" \
+            > "$OUT/client-workflow.log" 2>&1
+        log "workflow client on the plain server rc=$? $(tr -d '\n' < "$OUT/client-workflow.json" 2>/dev/null | cut -c1-200)"
+        wait "$client_sampler" 2>/dev/null
+    fi
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
     # The server's own account of its scheduling, read once it has stopped writing its log.
     "$PY" benchmarks/sglang_regenerate.py schedule --log "$OUT/ceiling-server-$label.log" --into "$OUT/ceiling-$label.json" > /dev/null

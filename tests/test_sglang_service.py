@@ -511,6 +511,10 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     sampled = json.loads((out / "cpu-ceiling-0.json").read_text())
     assert "ceiling client" in [part["role"] for part in sampled["parts"]], sampled
     assert summary["cpu"]["seconds"] >= 1 and isinstance(summary["cpu"]["parts"], list)
+    # The stage's own client on the config's plain server, beside its ceiling and out of the pick.
+    client = json.loads((out / "client-workflow.json").read_text())
+    assert (client["client"], client["prompts"], sum(client["finish_reasons"].values())) == ("workflow", 8, 8)
+    assert client["generated_tokens"] > 0 and "failed" not in client["finish_reasons"]
     # The packed folder holds the shards and their reports (a rerun's inputs).
     listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
                              check=True).stdout.split()
