@@ -4,7 +4,8 @@
 set -u
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
-SNAKEMAKE=${SNAKEMAKE:-snakemake}
+# snakemake on PATH, else the module (a node with the workflow's wheels on PYTHONPATH only)
+command -v snakemake >/dev/null 2>&1 && SNAKEMAKE=${SNAKEMAKE:-snakemake} || SNAKEMAKE=${SNAKEMAKE:-python3 -m snakemake}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$REPO
 mkdir -p "$REPO/logs/h200"
 stamp() { date -u +%FT%TZ; }
