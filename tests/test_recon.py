@@ -500,6 +500,29 @@ def test_missing_weight_file_blocks_with_the_file_named(run_copy, tiny_llama, tm
 
 
 @pytest.mark.workflow
+def test_an_unconverted_embedded_target_beside_its_shards_says_to_convert_first(run_copy):
+    """Hidden shards brought to a machine without the converted embedded target: a run that
+    converts it plans every shard again (docs/reruns.md), so recon says to convert first, and
+    the run's own command comes after."""
+    workdir, configfile = run_copy
+    config = yaml.safe_load(configfile.read_text())
+    config["target"].update(embedded="smollm2", path=str(workdir / "resources" / "models" / "not-converted"))
+    configfile.write_text(yaml.safe_dump(config))
+    report = run_recon(workdir, configfile)
+    code = report["sections"]["code"]
+    assert code["status"] == recon.WARN
+    assert "4 hidden-state shard(s) exist" in code["target_summary"]
+    commands = [step["command"] for step in report["verdict"]["steps"]]
+    convert = next(c for c in commands if c and "convert_embedded_target" in c)
+    assert convert.endswith(f"--configfile {configfile}")
+    assert report["verdict"]["next_command"] == convert
+    # Without shards there is nothing to lose: the workflow converts it as usual.
+    for shard in (workdir / "results" / "tiny" / "hidden").glob("shard-*.safetensors"):
+        shard.unlink()
+    assert run_recon(workdir, configfile)["sections"]["code"]["target_model"]["status"] == recon.OK
+
+
+@pytest.mark.workflow
 def test_disk_too_small_blocks_with_numbers(run_copy):
     workdir, configfile = run_copy
     hidden(workdir, 0).unlink()

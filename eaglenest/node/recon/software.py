@@ -8,7 +8,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from eaglenest import plan  # shard_header: header checks without torch
+from eaglenest import layout, plan  # shard_header: header checks without torch
 from eaglenest.formats import shard_header
 from eaglenest.node.recon.status import BLOCK, NA, OK, REPO, WARN
 
@@ -114,6 +114,21 @@ def safetensors_intact(path: Path) -> str | None:
     return None
 
 
+def outputs_reading_target(config: dict, workdir: Path) -> str | None:
+    """The run's outputs made from the target model that exist (regenerated and hidden
+    shards), as words, or None."""
+    paths = layout.RunLayout(config, workdir)
+    found = []
+    if plan.regeneration(config):
+        regenerated = len(list(Path(paths.regenerated_path()).glob("shard-*.jsonl")))
+        if regenerated:
+            found.append(f"{regenerated} regenerated shard(s)")
+    hidden = len(list(Path(paths.hidden_dir()).glob("shard-*.safetensors")))
+    if hidden:
+        found.append(f"{hidden} hidden-state shard(s)")
+    return " and ".join(found) or None
+
+
 def check_target_model(config: dict, workdir: Path) -> dict:
     """The target model directory: config, tokenizer, every weight file of the index, sizes."""
     path = Path(config["target"]["path"])
@@ -122,6 +137,16 @@ def check_target_model(config: dict, workdir: Path) -> dict:
     if not path.is_dir():
         if config["target"].get("embedded"):
             result.update(status=OK, summary=f"target {path.name}: not converted yet (the workflow makes it)")
+            readers = outputs_reading_target(config, workdir)
+            if readers:
+                # Snakemake plans every reader of an ancient() input whose producer must run
+                # (docs/reruns.md): converting first keeps what was brought in.
+                result.update(status=WARN, summary=f"target {path.name}: not converted yet, and {readers} exist: "
+                                                   "a run that converts it would make them all again")
+                result["steps"].append({"command": "snakemake --cores 4 --until convert_embedded_target",
+                                        "with_configfiles": True,
+                                        "why": f"convert the target before anything else, so that the {readers} "
+                                               "already here are not planned again"})
         elif config["extract"]["backend"] == "sglang":
             result.update(status=NA, summary=f"target {path}: not on this machine (the SGLang server loads it)")
         else:
