@@ -32,7 +32,8 @@
 # SERVER_START_TIMEOUT_S (600: a plain server not answering /health by then is skipped),
 # PROFILE_STEPS (32; 0 = none: SGLang's profile of that many steps of each plain server,
 # CEILING_PROFILE_AFTER_S (5) after its ceiling's load started (the client's warm-up request
-# done), and of the workflow's, WORKFLOW_PROFILE_AFTER_S (90) after it is ready ->
+# done), and of the workflow's, WORKFLOW_PROFILE_AFTER_S (90) after it is ready and again
+# WORKFLOW_PROFILE_LATE_S (300; 0 = none) after it, when its batch has grown ->
 # OUTDIR/profile-*.json, broken down by stage and forward mode; traces in OUTDIR/profiles/),
 # CPU_SAMPLE_S (60; 0 = none: the cores each part of the workflow's run keeps busy, SGLang's
 # processes and the clients, sampled from /proc for that long, CPU_SAMPLE_AFTER_S after its
@@ -223,6 +224,12 @@ if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # the workflow's server, the same way,
     "$PY" benchmarks/sglang_regenerate.py profile --record "$RECORD" --after-s "${WORKFLOW_PROFILE_AFTER_S:-90}" \
         --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles" --out "$OUT/profile-workflow.json" > /dev/null 2>&1 &
     profiler=$!
+    if [ "${WORKFLOW_PROFILE_LATE_S:-300}" != 0 ]; then  # and later, when its batch has grown
+        "$PY" benchmarks/sglang_regenerate.py profile --record "$RECORD" --after-s "${WORKFLOW_PROFILE_LATE_S:-300}" \
+            --steps "${PROFILE_STEPS:-32}" --trace-dir "$OUT/profiles-late" --out "$OUT/profile-workflow-late.json" \
+            > /dev/null 2>&1 &
+        profiler="$profiler $!"
+    fi
 fi
 sampler=
 if [ "${CPU_SAMPLE_S:-60}" != 0 ]; then  # after the profile, which slows the server while it records
