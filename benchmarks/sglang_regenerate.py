@@ -442,16 +442,23 @@ def cpu_role(cmdline: list[str]) -> str | None:
     return None
 
 
-def _cpu_ticks(proc: Path, pid: int) -> tuple[int, dict[int, tuple[int, str]]]:
-    """(the process's user+system clock ticks, {thread id: (its ticks, its name)})."""
+def _cpu_ticks(proc: Path, pid: int) -> tuple[int, dict[int, tuple[int, str, int]]]:
+    """(the process's user+system clock ticks, {thread id: (its ticks, its name, the
+    nanoseconds it has waited runnable for a core)})."""
     def ticks(stat_path: Path) -> int:
         fields = stat_path.read_text().rsplit(")", 1)[-1].split()
         return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
 
+    def waited_ns(task: Path) -> int:
+        try:  # schedstat: time on a CPU, time waiting on a run queue, time slices (ns, ns, count)
+            return int((task / "schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            return 0
+
     threads = {}
     for task in (proc / str(pid) / "task").iterdir():
         try:
-            threads[int(task.name)] = (ticks(task / "stat"), (task / "comm").read_text().strip())
+            threads[int(task.name)] = (ticks(task / "stat"), (task / "comm").read_text().strip(), waited_ns(task))
         except (OSError, ValueError, IndexError):
             continue
     return ticks(proc / str(pid) / "stat"), threads
@@ -460,7 +467,9 @@ def _cpu_ticks(proc: Path, pid: int) -> tuple[int, dict[int, tuple[int, str]]]:
 def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
     """Cores each part of a regeneration keeps busy over ``seconds`` (from /proc), with the
     busiest thread of each part: a part whose busiest thread nears one core is held by its
-    Python main thread, whatever the machine's other cores do."""
+    Python main thread, whatever the machine's other cores do. ``busiest_thread_waiting``: the
+    share of the time that thread was runnable but waited for a core (``schedstat``), so a
+    thread slowed by the machine's other threads shows apart from one with too much to do."""
     from eaglenest.node.recon.processes import list_processes
 
     def snapshot() -> dict:
@@ -495,16 +504,19 @@ def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
     for pid, (role, total, threads) in after.items():
         _, total_then, threads_then = before.get(pid, (role, 0, {}))
         group = groups.setdefault(role, {"role": role, "processes": 0, "cores": 0.0, "busiest_thread_cores": 0.0,
-                                         "busiest_thread": None})
+                                         "busiest_thread": None, "busiest_thread_waiting": 0.0})
         group["processes"] += 1
         group["cores"] += (total - total_then) / ticks_per_s / elapsed
-        for tid, (thread_ticks, name) in threads.items():
-            cores = (thread_ticks - threads_then.get(tid, (0, name))[0]) / ticks_per_s / elapsed
+        for tid, (thread_ticks, name, waited) in threads.items():
+            ticks_then, _, waited_then = threads_then.get(tid, (0, name, 0))
+            cores = (thread_ticks - ticks_then) / ticks_per_s / elapsed
             if cores > group["busiest_thread_cores"]:
                 group["busiest_thread_cores"], group["busiest_thread"] = cores, name
+                group["busiest_thread_waiting"] = (waited - waited_then) / 1e9 / elapsed
     rows = sorted(groups.values(), key=lambda group: -group["cores"])
     for row in rows:
-        row["cores"], row["busiest_thread_cores"] = round(row["cores"], 2), round(row["busiest_thread_cores"], 2)
+        for key in ("cores", "busiest_thread_cores", "busiest_thread_waiting"):
+            row[key] = round(row[key], 2)
     cpus = os.cpu_count() or 1
     return {"seconds": round(elapsed, 1), "machine_cpus": cpus,
             "machine_busy_cores": round(cpus * (busy_after - busy_before) / max(1, total_after - total_before), 2),

@@ -712,6 +712,18 @@ def test_the_cpu_sampler_names_the_parts_of_a_regeneration_and_their_busiest_thr
     for role in ("sglang::scheduler", "regenerate jobs (the workflow's clients)"):
         assert parts[role]["processes"] >= 1 and parts[role]["cores"] > 0.2, parts
         assert 0.2 < parts[role]["busiest_thread_cores"] <= parts[role]["cores"] + 0.05
+        assert 0 <= parts[role]["busiest_thread_waiting"] <= 1.05
+    # Two spinning threads per core: each waits for a core about as long as it runs.
+    crowd = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2 * (os.cpu_count() or 1))]
+    titled = subprocess.Popen(["bash", "-c", f'exec -a sglang::scheduler_TP0 {sys.executable} -c "$0"', spin])
+    try:
+        time.sleep(0.5)
+        crowded = {part["role"]: part for part in sglang_regenerate.sample_cpu(1.5)["parts"]}
+    finally:
+        for process in [*crowd, titled]:
+            process.kill()
+            process.wait()
+    assert crowded["sglang::scheduler"]["busiest_thread_waiting"] > 0.3, crowded
 
 
 class CountingChatServer:
