@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['eval_set']} | {r['drafting']} | {r.get('prompts', '-')} | {r.get('traces_identical', 'missing')} "
               f"| {r.get('tau_replayed', '-')} | {r.get('tau_recorded', '-')} |")
-    same = bool(rows) and all(r.get("traces_identical") == r.get("prompts") for r in rows)
+    same = bool(rows) and all("missing" not in r and r["traces_identical"] == r["prompts"] for r in rows)
     return 0 if same else 1
 
 

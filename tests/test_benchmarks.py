@@ -84,6 +84,51 @@ def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_ar
     assert row["runs"]["second"]["minus_first"]["mean"] == 0
 
 
+def test_same_references_finds_every_trace_equal_and_fails_on_one_that_differs(tmp_path):
+    """benchmarks/same_references.py: a drafter replayed on other references is the same only
+    if every prompt's trace is; one changed acceptance, or a job missing, fails it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import same_references
+
+    traces = {"a": [3, 0], "b": [1, 1]}
+    recorded, replayed = tmp_path / "recorded", tmp_path / "replayed"
+    for run in (recorded, replayed):
+        job = run / "mt_bench" / "steps3-topk1-tokens4"
+        job.mkdir(parents=True)
+        metrics = {"tau": 2.0, "per_prompt": [{"id": i, "accepted": a, "draft_depths": [3] * len(a), "cycles": len(a)}
+                                              for i, a in traces.items()]}
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    out = tmp_path / "check.json"
+    assert same_references.main(["--replayed", str(replayed), "--recorded", str(recorded), "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["prompts"], row["traces_identical"]) == (2, 2)
+    job = replayed / "mt_bench" / "steps3-topk1-tokens4" / "metrics.json"
+    metrics = json.loads(job.read_text())
+    metrics["per_prompt"][1]["accepted"] = [1, 0]
+    job.write_text(json.dumps(metrics))
+    assert same_references.main(["--replayed", str(replayed), "--recorded", str(recorded), "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["rows"][0]["traces_identical"] == 1
+    job.unlink()
+    assert same_references.main(["--replayed", str(replayed), "--recorded", str(recorded), "--out", str(out)]) == 1
+
+
+def test_heldout_eval_set_takes_the_splits_validation_conversations_in_a_fixed_order(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import heldout_eval_set
+
+    ids = [f"sharegpt:c{k}" for k in range(10)]
+    (tmp_path / "split.json").write_text(json.dumps({"train": ids[:6], "val": ids[6:]}))
+    (tmp_path / "conv.jsonl").write_text("".join(
+        json.dumps({"sample_id": i, "messages": [{"role": "user", "content": i}]}) + "\n" for i in ids))
+    out = tmp_path / "heldout.jsonl"
+    assert heldout_eval_set.main(["--split", str(tmp_path / "split.json"), "--conversations", str(tmp_path / "conv.jsonl"),
+                                  "--count", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and {row["id"] for row in rows} < set(ids[6:])
+    assert rows == heldout_eval_set.heldout(tmp_path / "split.json", tmp_path / "conv.jsonl", None)[:3]
+    assert rows[0]["messages"] == [{"role": "user", "content": rows[0]["id"]}]
+
+
 def test_train_throughput_writes_every_sample_when_fewer_than_a_shard_holds(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import train_throughput
