@@ -135,7 +135,8 @@ def measure_workflow_client(backend, prompts: list, concurrency: int, seed: int,
         reason = generation.finish_reason if generation.error is None else "failed"
         return generation.generated_tokens, generation.new_tokens, reason
 
-    return {**timed_load(ask, prompts, concurrency, on_load_start), "route": backend.endpoint.rsplit("/", 1)[-1],
+    route = backend.endpoint[len(backend.settings.url.rstrip("/")):]  # as the plain ceiling names it
+    return {**timed_load(ask, prompts, concurrency, on_load_start), "route": route,
             "client": "workflow", "streamed": bool(backend.settings.stream and backend.settings.repetition_stop >= 2)}
 
 

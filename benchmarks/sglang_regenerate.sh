@@ -131,6 +131,15 @@ snakemake_run --until convert_embedded_target > "$OUT/convert.log" 2>&1
 log "target converted rc=$?"
 
 IN_FLIGHT="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
+# The ceiling's load on the plain server: client (plain or workflow), requests in flight, the
+# environment words, its load-start mark, its output name; then the server's extra flags.
+ceiling_load() {
+    local client="$1" in_flight="$2" env_words="$3" load_started="$4" name="$5"; shift 5
+    "$PY" benchmarks/sglang_regenerate.py ceiling --client "$client" --url http://127.0.0.1:30030 \
+        --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
+        --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
+        --server-env="$env_words" --load-started "$load_started" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+}
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
 measure_ceiling() {  # label, requests in flight, environment words (one string), extra flags...
     local label="$1" in_flight="$2" env_words; shift 2
@@ -172,10 +181,7 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
             --out "$OUT/cpu-ceiling-$label.json" > /dev/null 2>&1 &
         sampler=$!
     fi
-    "$PY" benchmarks/sglang_regenerate.py ceiling --url http://127.0.0.1:30030 \
-        --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-        --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
-        --server-env="${env_words[*]}" --load-started "$load_started" --out "$OUT/ceiling-$label.json" > "$OUT/ceiling-$label.log" 2>&1
+    ceiling_load plain "$in_flight" "${env_words[*]}" "$load_started" "ceiling-$label" "$@"
     log "ceiling $label rc=$? $(tr -d '\n' < "$OUT/ceiling-$label.json" 2>/dev/null | cut -c1-200)"
     if [ -n "$profiler" ]; then  # a ceiling shorter than the wait leaves the profiler no steps: 30 s more at most
         for _ in $(seq 1 30); do kill -0 "$profiler" 2>/dev/null || break; sleep 1; done
@@ -190,11 +196,7 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$client_started" --after-s "${CEILING_CPU_AFTER_S:-8}" \
             --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 --out "$OUT/cpu-client-workflow.json" > /dev/null 2>&1 &
         local client_sampler=$!
-        "$PY" benchmarks/sglang_regenerate.py ceiling --client workflow --url http://127.0.0.1:30030 \
-            --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
-            --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
-            --server-env="${env_words[*]}" --load-started "$client_started" --out "$OUT/client-workflow.json" \
-            > "$OUT/client-workflow.log" 2>&1
+        ceiling_load workflow "$in_flight" "${env_words[*]}" "$client_started" client-workflow "$@"
         log "workflow client on the plain server rc=$? $(tr -d '\n' < "$OUT/client-workflow.json" 2>/dev/null | cut -c1-200)"
         wait "$client_sampler" 2>/dev/null
     fi

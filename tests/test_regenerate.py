@@ -579,7 +579,7 @@ def test_the_ceiling_can_load_the_server_through_the_stages_own_streamed_client(
                                    "--concurrency", "3", "--out", str(out)]) == 0
     stats = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
     ceiling = json.loads(out.read_text())
-    assert (ceiling["client"], ceiling["route"], ceiling["streamed"]) == ("workflow", "generate", True)
+    assert (ceiling["client"], ceiling["route"], ceiling["streamed"]) == ("workflow", "/generate", True)
     assert sum(ceiling["finish_reasons"].values()) == 6 and "failed" not in ceiling["finish_reasons"]
     looped = ceiling["finish_reasons"].get("repetition", 0)
     assert looped > 0  # greedy answers of a random model loop; each one was aborted in the server
