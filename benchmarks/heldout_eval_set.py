@@ -13,16 +13,15 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eaglenest.stages import ingest  # noqa: E402
+
 
 def heldout(split_path: Path, conversations_path: Path, count: int | None) -> list[dict]:
     val = set(json.loads(split_path.read_text())["val"])
-    rows = []
-    with conversations_path.open() as handle:
-        for line in handle:
-            if line.strip():
-                conversation = json.loads(line)
-                if conversation["sample_id"] in val:
-                    rows.append({"id": conversation["sample_id"], "messages": conversation["messages"]})
+    rows = [{"id": c["sample_id"], "messages": c["messages"]}
+            for c in ingest.read_conversations(conversations_path) if c["sample_id"] in val]
     rows.sort(key=lambda row: hashlib.sha256(row["id"].encode()).hexdigest())
     return rows[:count] if count else rows
 

@@ -140,6 +140,11 @@ ceiling_load() {
         --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
         --server-env="$env_words" --load-started "$load_started" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
 }
+# The cores each process keeps busy during a ceiling's load: its load-start mark, the output.
+ceiling_cpu() {
+    "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$1" --after-s "${CEILING_CPU_AFTER_S:-8}" \
+        --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 --out "$2" > /dev/null 2>&1
+}
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
 measure_ceiling() {  # label, requests in flight, environment words (one string), extra flags...
     local label="$1" in_flight="$2" env_words; shift 2
@@ -176,9 +181,7 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
     fi
     local sampler=
     if [ "${CEILING_CPU_S:-10}" != 0 ]; then  # which process holds the ceiling back, if one does
-        "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$load_started" --after-s "${CEILING_CPU_AFTER_S:-8}" \
-            --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 \
-            --out "$OUT/cpu-ceiling-$label.json" > /dev/null 2>&1 &
+        ceiling_cpu "$load_started" "$OUT/cpu-ceiling-$label.json" &
         sampler=$!
     fi
     ceiling_load plain "$in_flight" "${env_words[*]}" "$load_started" "ceiling-$label" "$@"
@@ -193,8 +196,7 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         # The same prompts on the same server through the stage's own client (streamed, loop-cut):
         # what the client path costs, apart from the workflow's shards and turn order.
         local client_started="$OUT/client-workflow.load-started"
-        "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$client_started" --after-s "${CEILING_CPU_AFTER_S:-8}" \
-            --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 --out "$OUT/cpu-client-workflow.json" > /dev/null 2>&1 &
+        ceiling_cpu "$client_started" "$OUT/cpu-client-workflow.json" &
         local client_sampler=$!
         ceiling_load workflow "$in_flight" "${env_words[*]}" "$client_started" client-workflow "$@"
         log "workflow client on the plain server rc=$? $(tr -d '\n' < "$OUT/client-workflow.json" 2>/dev/null | cut -c1-200)"
