@@ -23,6 +23,11 @@ time goes when answers end one at a time and each arrival gets a prefill pass of
 busy server, the ceiling's plain one or the workflow's, broken down by scheduler stage with the
 GPU time of each (``eaglenest.sglang.profile.cycle_breakdown``): where a step's time goes.
 
+``metrics``: SGLang's own metrics of a server started with ``--enable-metrics``
+(``eaglenest.sglang.metrics``), scraped every ``--every-s`` until it stops: the radix cache's
+evictions (how many, the scheduler time they took, the tokens they freed), the batch and the
+KV pool's use. A pool full of cached conversations evicts before every allocation.
+
 ``summary``: the workflow's regenerate stage (rule ``regenerate``, its server started by rule
 ``regenerate_server``) on the same conversations: every turn accounted for (from
 ``regenerate_report.json``), generated and kept tokens, the wall time from the server's
@@ -35,7 +40,8 @@ readiness to the last shard, against the ceiling. Writes the ``regenerate`` sect
         --out ceiling.json --overlay server-flags.yaml
     python benchmarks/sglang_regenerate.py schedule --log server.log
     python benchmarks/sglang_regenerate.py summary --workdir WORK --run RUN --ceiling ceiling.json --out OUT.json \
-        [--server-log server.log]
+        [--server-log server.log] [--metrics metrics-workflow.json]
+    python benchmarks/sglang_regenerate.py metrics --record results/RUN/sglang/regenerate.json --out metrics-workflow.json
 """
 
 from __future__ import annotations
@@ -383,6 +389,18 @@ def watch_ready(record: Path, out: Path, timeout_s: float = 1800) -> float | Non
     return ready
 
 
+def server_url(options) -> str | None:
+    """``--url``, or the URL in ``--record`` (the workflow server's service record) once it
+    says ready; None (with the reason on stderr) when it never does."""
+    if options.url is not None:
+        return options.url
+    record = ready_record(Path(options.record), options.timeout_s)
+    if record is None:
+        print(f"no ready server in {options.record}", file=sys.stderr)
+        return None
+    return record["url"]
+
+
 def wait_for_file(path: Path, timeout_s: float) -> bool:
     """Whether ``path`` exists within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -399,13 +417,9 @@ def cmd_profile(options) -> int:
     (with ``--wait-for``: after that file appears, the ceiling client's mark of its load)."""
     from eaglenest.sglang import profile
 
-    url = options.url
+    url = server_url(options)
     if url is None:
-        record = ready_record(Path(options.record), options.timeout_s)
-        if record is None:
-            print(f"no ready server in {options.record}", file=sys.stderr)
-            return 1
-        url = record["url"]
+        return 1
     result = {"url": url, "after_s": options.after_s, "steps": options.steps}
     try:
         if options.wait_for:  # --after-s counts from the load's start, not from the server's
@@ -541,8 +555,42 @@ def cmd_cpu(options) -> int:
     return 0 if "parts" in result else 1
 
 
+def watch_metrics(url: str, every_s: float, out: Path, scrapes: int | None = None) -> dict:
+    """Scrape the server's metrics every ``every_s`` until it stops answering (or ``scrapes``
+    times); after each scrape ``out`` holds the series and the eviction from the first scrape
+    to the last (eaglenest.sglang.metrics), so a run stopped at any point keeps what it saw."""
+    from eaglenest.sglang import metrics
+
+    series: list[dict] = []
+    result: dict = {"url": url, "every_s": every_s, "series": series}
+    while scrapes is None or len(series) < scrapes:
+        try:
+            series.append({"time": round(time.time(), 3), **metrics.read_metrics(url)})
+        except OSError as err:  # stopped (or never started with --enable-metrics): keep what there is
+            result.setdefault("error" if not series else "ended", f"{type(err).__name__}: {err}")
+            break
+        if len(series) > 1:
+            result["eviction"] = metrics.eviction_summary(series[0], series[-1], series[-1]["time"] - series[0]["time"])
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        if scrapes is None or len(series) < scrapes:
+            time.sleep(every_s)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def cmd_metrics(options) -> int:
+    """SGLang's own metrics (started with --enable-metrics) of the workflow's server
+    (``--record``: from when it is ready until it stops) or of a plain one (``--url``)."""
+    url = server_url(options)
+    if url is None:
+        return 1
+    result = watch_metrics(url, options.every_s, Path(options.out), options.scrapes)
+    print(json.dumps(result.get("eviction") or {key: result.get(key) for key in ("url", "error")}))
+    return 0 if result["series"] else 1
+
+
 def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: float | None,
-                       server_log: Path | None = None, cpu: dict | None = None) -> dict:
+                       server_log: Path | None = None, cpu: dict | None = None, server_metrics: dict | None = None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
     from ``ready`` (when the workflow's server was ready) to the last shard's report."""
     from eaglenest.stages import regenerate
@@ -573,6 +621,9 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["schedule"] = server_schedule(server_log)
     if cpu is not None:
         result["cpu"] = cpu
+    if server_metrics is not None:
+        result["server_metrics"] = {key: server_metrics.get(key) for key in ("eviction", "error", "ended")}
+        result["server_metrics"]["last"] = server_metrics["series"][-1] if server_metrics.get("series") else None
     return result
 
 
@@ -580,8 +631,10 @@ def cmd_summary(options) -> int:
     ceiling = json.loads(Path(options.ceiling).read_text()) if options.ceiling and Path(options.ceiling).exists() else None
     ready = float(Path(options.ready).read_text()) if options.ready and Path(options.ready).exists() else None
     cpu = json.loads(Path(options.cpu).read_text()) if options.cpu and Path(options.cpu).exists() else None
+    server_metrics = (json.loads(Path(options.metrics).read_text())
+                      if options.metrics and Path(options.metrics).exists() else None)
     result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready,
-                                Path(options.server_log) if options.server_log else None, cpu)
+                                Path(options.server_log) if options.server_log else None, cpu, server_metrics)
     Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
     print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s | ceiling tok/s | ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -633,6 +686,7 @@ def main(argv=None) -> int:
     summary.add_argument("--ready", default=None, help="the file watch wrote (when the server was ready)")
     summary.add_argument("--server-log", default=None, help="the workflow's server log (see schedule)")
     summary.add_argument("--cpu", default=None, help="what cpu sampled during the workflow's run")
+    summary.add_argument("--metrics", default=None, help="what metrics scraped during the workflow's run")
     summary.add_argument("--out", required=True)
     watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
     watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")
@@ -657,11 +711,20 @@ def main(argv=None) -> int:
     cpu.add_argument("--seconds", type=float, default=30.0, help="how long to sample")
     cpu.add_argument("--timeout-s", type=float, default=1800.0, help="for the record or the --wait-for file")
     cpu.add_argument("--out", required=True)
+    scrape = commands.add_parser("metrics", help="SGLang's own metrics of a busy server (--enable-metrics): radix "
+                                                 "cache eviction, batch, KV use")
+    server = scrape.add_mutually_exclusive_group(required=True)
+    server.add_argument("--url", default=None, help="a server already answering (a ceiling's plain server)")
+    server.add_argument("--record", default=None, help="the workflow server's service record: scraped from ready to stop")
+    scrape.add_argument("--every-s", type=float, default=20.0)
+    scrape.add_argument("--scrapes", type=int, default=None, help="stop after that many (default: until it stops)")
+    scrape.add_argument("--timeout-s", type=float, default=1800.0, help="for the record")
+    scrape.add_argument("--out", required=True)
     options = parser.parse_args(argv)
     if options.command == "watch":
         return 0 if watch_ready(Path(options.record), Path(options.out)) is not None else 1
     commands = {"ceiling": cmd_ceiling, "pick": cmd_pick, "schedule": cmd_schedule, "summary": cmd_summary,
-                "profile": cmd_profile, "cpu": cmd_cpu}
+                "profile": cmd_profile, "cpu": cmd_cpu, "metrics": cmd_metrics}
     return commands[options.command](options)
 
 

@@ -42,6 +42,9 @@
 # OUTDIR/cpu-ceiling-*.json), WORKFLOW_CLIENT_CEILING (1; 0 = none: after the config's own ceiling, the
 # same prompts on the same server through the stage's own streamed client, `ceiling --client
 # workflow` -> OUTDIR/client-workflow.json and OUTDIR/cpu-client-workflow.json),
+# SERVER_METRICS (1; 0 = none: every server here started with --enable-metrics, its radix
+# cache's evictions, batch and KV use scraped from /metrics -> OUTDIR/metrics-ceiling-*.json,
+# OUTDIR/metrics-workflow.json every METRICS_EVERY_S (20), in the summary),
 # REGENERATE_TIMEOUT_S, SHARDS (e.g. "0 1 2": those shards only), CORES (snakemake --cores, default nproc), SITE (/tmp/site), PYTHON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +99,8 @@ env = config["extract"]["sglang"].get("env") or {}
 print("CONFIG_ENV=(" + " ".join(shlex.quote(f"{name}={value}") for name, value in env.items()) + ")")
 PYTHON
 )" || { log "config unreadable"; exit 1; }
+# SGLang's own metrics (radix cache evictions, batch, KV use) from every server it starts here.
+[ "${SERVER_METRICS:-1}" = 1 ] && PLAIN+=(--enable-metrics)
 printf '%s\n' "${CONFIGS[@]}" > "$OUT/configs.txt"
 if [ ${#TARGETS[@]} -gt 0 ]; then UNTIL=("${TARGETS[@]}"); else UNTIL=(--until regenerate_report); fi
 # One CEILING_SWEEP entry, [NAME=VALUE...] [FLAGS...][@IN_FLIGHT], split: the NAME=VALUE words
@@ -169,6 +174,10 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         return 1
     fi
     log "plain server up ($label: $settings)"
+    if [ "${SERVER_METRICS:-1}" = 1 ]; then  # until the server stops (both of its loads, when there are two)
+        "$PY" benchmarks/sglang_regenerate.py metrics --url http://127.0.0.1:30030 --every-s 5 \
+            --out "$OUT/metrics-ceiling-$label.json" > /dev/null 2>&1 &
+    fi
     local profiler=
     if [ "${PROFILE_STEPS:-32}" != 0 ]; then  # SGLang's own profile of some steps under the ceiling's load
         # Counted from the load's start: the client's warm-up request before it may take minutes
@@ -221,6 +230,24 @@ if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
     [ -e "$OUT/server-flags.yaml" ] && CONFIGS+=("$OUT/server-flags.yaml")
 fi
 
+if [ "${SERVER_METRICS:-1}" = 1 ]; then  # the workflow's server with the plain servers' --enable-metrics, scraped
+    "$PY" - "$OUT/server-metrics.yaml" "${CONFIGS[@]}" <<'PYTHON' && CONFIGS+=("$OUT/server-metrics.yaml")
+import sys
+from pathlib import Path
+
+import yaml
+
+from eaglenest.node.recon.config import load_config
+
+flags = [str(flag) for flag in load_config(Path.cwd(), sys.argv[2:])["extract"]["sglang"].get("extra_args") or []]
+if "--enable-metrics" not in flags:
+    flags.append("--enable-metrics")
+Path(sys.argv[1]).write_text(yaml.safe_dump({"extract": {"sglang": {"extra_args": flags}}}, sort_keys=False))
+PYTHON
+    "$PY" benchmarks/sglang_regenerate.py metrics --record "$RECORD" --every-s "${METRICS_EVERY_S:-20}" \
+        --out "$OUT/metrics-workflow.json" > /dev/null 2>&1 &
+    scraper=$!
+fi
 "$PY" benchmarks/sglang_regenerate.py watch --record "$RECORD" --out "$OUT/server_ready.txt" &
 watcher=$!
 profiler=
@@ -247,10 +274,11 @@ snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 rc=$?
 log "regenerate rc=$rc"
 kill $watcher $profiler $sampler 2>/dev/null
+[ -z "${scraper:-}" ] || wait "$scraper" 2>/dev/null  # it ends as the server stops
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
     --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --cpu "$OUT/cpu-workflow.json" \
-    --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+    --metrics "$OUT/metrics-workflow.json" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
 # The run's regenerated folder (shards and reports; the input of a drafter trained on the
 # target's own answers) beside the results, in parts of at most PART_MIB MiB, for nodes whose
 # results leave through channels that cap file sizes. At a checkout's root:

@@ -33,13 +33,20 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", choices=sorted(train.SAMPLE_FILTERS), default="all",
                         help="original: only the <id>@original samples of a regenerate.mix_original run (held-out "
                              "ShareGPT); others: every other sample (the target's held-out answers)")
+    parser.add_argument("--split-part", choices=("val", "train", "all"), default="val",
+                        help="all: every sample of the run (a run of held-out conversations only)")
+    parser.add_argument("--device", help="instead of the configs' train.device (cpu, cuda)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     settings = load_config(".", args.config)["train"]
+    if args.device:
+        settings["device"] = args.device
     consolidated = args.run / "consolidated"
     result = train.validate_drafter(args.drafter, consolidated / "index.json", consolidated / "draft_vocab.safetensors",
-                                    consolidated / "split.json", args.target, settings, samples=args.samples)
-    result = {"drafter": args.drafter, "configs": args.config, "samples": args.samples, **result}
+                                    consolidated / "split.json", args.target, settings, samples=args.samples,
+                                    split=args.split_part)
+    result = {"drafter": args.drafter, "configs": args.config, "samples": args.samples, "split_part": args.split_part,
+              **result}
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({"acc": [round(a, 4) for a in result["acc"]]}))
     return 0

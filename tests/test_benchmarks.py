@@ -127,6 +127,18 @@ def test_heldout_eval_set_takes_the_splits_validation_conversations_in_a_fixed_o
     assert len(rows) == 3 and {row["id"] for row in rows} < set(ids[6:])
     assert rows == heldout_eval_set.heldout(tmp_path / "split.json", tmp_path / "conv.jsonl", None)[:3]
     assert rows[0]["messages"] == [{"role": "user", "content": rows[0]["id"]}]
+    # The same conversations from a regenerated folder's shards (several files): same ids, same
+    # order, the target's answers.
+    for shard, part in enumerate((ids[:5], ids[5:])):
+        (tmp_path / f"shard-{shard:05d}.jsonl").write_text("".join(json.dumps(
+            {"sample_id": i, "messages": [{"role": "user", "content": i}, {"role": "assistant", "content": "again"}]}) + "\n"
+            for i in part))
+    assert heldout_eval_set.main(["--split", str(tmp_path / "split.json"), "--conversations",
+                                  str(tmp_path / "shard-00000.jsonl"), str(tmp_path / "shard-00001.jsonl"),
+                                  "--count", "3", "--out", str(out)]) == 0
+    regenerated = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in regenerated] == [row["id"] for row in rows]
+    assert all(row["messages"][1]["content"] == "again" for row in regenerated)
 
 
 def test_train_throughput_writes_every_sample_when_fewer_than_a_shard_holds(tmp_path):

@@ -470,6 +470,7 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "8",
                    "CEILING_CONCURRENCY": "2", "PART_MIB": "1", "CEILING_PROFILE_AFTER_S": "0",
                    "CEILING_CPU_AFTER_S": "0", "CEILING_CPU_S": "0.3", "CPU_SAMPLE_AFTER_S": "0", "CPU_SAMPLE_S": "1",
+                   "METRICS_EVERY_S": "0.5",
                    "CEILING_SWEEP": "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --enable-prefill-delayer "
                                     "--scheduler-recv-interval 16 --delay-s 0@4"}
     result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
@@ -511,6 +512,14 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     sampled = json.loads((out / "cpu-ceiling-0.json").read_text())
     assert "ceiling client" in [part["role"] for part in sampled["parts"]], sampled
     assert summary["cpu"]["seconds"] >= 1 and isinstance(summary["cpu"]["parts"], list)
+    # Every server here was started with --enable-metrics and scraped until it stopped: the
+    # ceilings' (every 5 s: at least once) and the workflow's, whose series reaches the summary.
+    for label in (0, 1):
+        scraped = json.loads((out / f"metrics-ceiling-{label}.json").read_text())
+        assert scraped["series"] and "sglang:num_running_reqs" in scraped["series"][0], scraped
+    scraped = json.loads((out / "metrics-workflow.json").read_text())
+    assert scraped["series"] and "ended" in scraped, scraped
+    assert summary["server_metrics"]["last"] == scraped["series"][-1]
     # The stage's own client on the config's plain server, beside its ceiling and out of the pick.
     client = json.loads((out / "client-workflow.json").read_text())
     assert (client["client"], client["prompts"], sum(client["finish_reasons"].values())) == ("workflow", 8, 8)

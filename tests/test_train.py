@@ -475,6 +475,15 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
     with pytest.raises(ValueError, match="that the sample filter keeps"):
         train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
                                expect=EXPECT, samples="original")
+    # Every sample of the run (a run of held-out conversations only): the train and val parts
+    # together, position counts adding up.
+    parts = [train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
+                                    expect=EXPECT, split=split) for split in ("train", "all")]
+    assert [a + b for a, b in zip(parts[0]["positions"], again["positions"])] == parts[1]["positions"]
+    assert validate_drafter.main(["--run", str(Path(tiny_run["index_path"]).parents[1]), "--drafter",
+                                  str(tmp_path / "drafter"), "--target", tiny_run["target_path"], "--config",
+                                  str(config), "--split-part", "all", "--device", "cpu", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["positions"] == parts[1]["positions"]
     # Another draft vocabulary (one token swapped for one outside it) is refused, not scored.
     from eaglenest.formats import vocab
 

@@ -203,19 +203,21 @@ SAMPLE_FILTERS = {
 
 
 def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, target_path, settings: dict | None = None,
-                     expect: dict | None = None, samples: str = "all") -> dict:
+                     expect: dict | None = None, samples: str = "all", split: str = "val") -> dict:
     """``validate`` of any saved drafter (train output, checkpoint file or export) on a run's
     validation split, in eager mode: what the training curve's validation measured, recomputed
     outside the training process (e.g. to check a compiled run's figures). ``samples``
     (SAMPLE_FILTERS) scores a part of the split: a mixed run's split holds both versions of
     each held-out conversation, so "original" is held-out ShareGPT and "others" the held-out
-    answers of the target, for any drafter whose run held out the same conversations."""
+    answers of the target, for any drafter whose run held out the same conversations.
+    ``split`` "all" scores every sample of the run: a run made of held-out conversations only
+    (benchmarks/heldout_validation.py)."""
     from eaglenest.stages import export
 
     settings = settings_lib.section(settings, "train")
     device = resolve_device(settings["device"], 0)
     hidden_dtype = hidden_dtype_on(device)
-    val_set = batches.open_split(index_path, split_path, "val", expect, keep=SAMPLE_FILTERS[samples])
+    val_set = batches.open_split(index_path, split_path, split, expect, keep=SAMPLE_FILTERS[samples])
     draft_vocab = vocab.load_draft_vocab(draft_vocab_path)
     top_draft_id = loop.most_frequent_draft_id(draft_vocab)
     model = export.load_any_drafter(drafter_path, target_path)

@@ -54,10 +54,12 @@ class Dataset:
 
 
 def open_split(index_path, split_path, split: str, expect: dict | None = None, keep=None) -> Dataset:
-    """The samples of ``split`` ("train" or "val") in index order, every shard header checked;
-    with ``keep`` (a predicate on sample ids), only those it keeps."""
+    """The samples of ``split`` ("train", "val", or "all": both) in index order, every shard
+    header checked; with ``keep`` (a predicate on sample ids), only those it keeps."""
     index = json.loads(Path(index_path).read_text())
-    wanted = {sample_id for sample_id in json.loads(Path(split_path).read_text())[split] if keep is None or keep(sample_id)}
+    parts = json.loads(Path(split_path).read_text())
+    listed = parts["train"] + parts["val"] if split == "all" else parts[split]
+    wanted = {sample_id for sample_id in listed if keep is None or keep(sample_id)}
     paths, samples = [], []
     hidden_size = layer_ids = None
     for number, entry in enumerate(index["shards"]):

@@ -162,11 +162,32 @@ def make_handler(options, state: dict):
                     return self._send(200, {"aborted": sorted(state["aborted"]), "streamed_tokens": state["streamed_tokens"]})
             if options.impersonate is None and self.path == sglang_patch.INFO_ROUTE:
                 return self._send(200, sglang_patch.server_info(state["model"].settings, "stand-in"))
+            if options.enable_metrics and self.path == "/metrics":
+                # SGLang's Prometheus text (--enable-metrics), of what the stand-in counts: the
+                # requests it is answering now. It has no radix cache, so no eviction metrics.
+                with state["lock"]:
+                    body = (f"# TYPE sglang:num_running_reqs gauge\n"
+                            f'sglang:num_running_reqs{{model_name="{options.target}",tp_rank="0"}} {state["running"]}.0\n')
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+                return None
             return self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):
             length = int(self.headers.get("Content-Length", 0))
             request = json.loads(self.rfile.read(length) or b"{}")
+            with state["lock"]:
+                state["running"] += 1
+            try:
+                return self._answer_post(request)
+            finally:
+                with state["lock"]:
+                    state["running"] -= 1
+
+        def _answer_post(self, request):
             if self.path == "/v1/chat/completions" and options.impersonate is None:
                 return self._chat(request)
             if self.path == "/abort_request" and options.impersonate is None:
@@ -387,7 +408,7 @@ def chat_generator(options):
 
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
-             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0}
+             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0, "running": 0}
     if options.speculative_algorithm not in (None, "EAGLE3"):
         raise SystemExit(f"the stand-in speculates with EAGLE3 only, not {options.speculative_algorithm}")
     drafting = None
@@ -442,6 +463,7 @@ def parse_args(argv=None):
     parser.add_argument("--stream-token-delay-s", type=float, default=0.0, help="a pause per streamed token (decode time)")
     parser.add_argument("--mode", choices=["capture", "serve"], default=None,
                         help="what /eaglenest/info says the server was started for (default: the launcher's settings, else capture)")
+    parser.add_argument("--enable-metrics", action="store_true", help="SGLang's: GET /metrics (Prometheus text)")
     parser.add_argument("--verbose", action="store_true")
     # SGLang's flags that only tune a GPU server (--tp-size, --dtype, ...): nothing to model here.
     options, ignored = parser.parse_known_args(argv)

@@ -1,0 +1,140 @@
+"""Validation accuracy of saved drafters on a run's held-out conversations, both as ShareGPT
+wrote them and as the target answered them, side by side, on any machine (two CPU cores do).
+
+The held-out conversations are the ``val`` ids of a consolidated split.json (every run with the
+same consolidate.seed, val_fraction and conversations holds out the same ones), the first
+``--count`` in the hash order of benchmarks/heldout_eval_set.py. Each version becomes a run of
+its own, made by the real workflow up to consolidate (``snakemake hidden_states``: ingest,
+prepare, extraction with the configs' target, layer ids, max_len and storage dtype) with the
+draft vocabulary of the first drafter (consolidate.draft_vocab_from); then every drafter is
+scored on every sample of both runs with the training loop's validation (TTT positions 0 to
+ttt_length - 1, the configs' train section).
+
+    python benchmarks/heldout_validation.py --split docs/results/<run>/split.json \\
+        --original results/<run>/data/conversations.jsonl \\
+        --regenerated 'results/<run>/regenerated/<key>/shard-*.jsonl' \\
+        --drafter run10=resources/drafters/<a> --drafter own-answers=resources/drafters/<b> \\
+        --config config/h200-smollm2.yaml --config config/h200/own-answers.yaml \\
+        --count 100 --device cpu --out benchmarks/results/heldout_validation_<date>.json
+
+Prints one row per (drafter, answers) and writes them to ``--out`` as JSON.
+"""
+import argparse
+import glob
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import heldout_eval_set  # noqa: E402
+
+from eaglenest.layout import RunLayout  # noqa: E402
+from eaglenest.node.recon.config import load_config  # noqa: E402
+from eaglenest.stages import train  # noqa: E402
+
+VERSIONS = ("sharegpt", "target")  # the answers ShareGPT holds; the target's own (regenerated)
+
+
+def run_overlay(name: str, conversations: Path, count: int, samples_per_shard: int, device: str,
+                draft_vocab_from: str) -> dict:
+    """The config overlay of one version's run: its conversations, the extraction on ``device``,
+    the drafters' draft vocabulary, no regeneration."""
+    return {
+        "run": name,
+        "data": {"sources": [{"name": "heldout", "path": str(conversations)}], "max_conversations": count,
+                 "samples_per_shard": samples_per_shard},
+        "regenerate": {"enabled": False},
+        "extract": {"backend": "transformers", "device": device, "gpus_per_job": 0 if device == "cpu" else 1},
+        "consolidate": {"draft_vocab_from": draft_vocab_from},
+        "train": {"device": device, "init_from": None},
+    }
+
+
+def build_run(configs: list[str], cores: int, log_path: Path) -> dict:
+    """Run the workflow up to consolidate for one version (its overlay last in ``configs``);
+    returns the run's config as the Snakefile saw it."""
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(REPO),
+               "--cores", str(cores), "--configfile", *configs, "--", "hidden_states"]
+    with open(log_path, "w") as log:
+        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return load_config(REPO, configs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--split", type=Path, required=True, help="a consolidated split.json: its val ids are held out")
+    parser.add_argument("--original", type=Path, required=True, help="the ingested conversations.jsonl")
+    parser.add_argument("--regenerated", required=True, help="the regenerated shards, a glob (quote it)")
+    parser.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
+                        help="repeatable; the first one's draft vocabulary is the runs'")
+    parser.add_argument("--config", action="append", default=[], help="repeatable: the configs of the drafters' run")
+    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--samples-per-shard", type=int, default=50)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rows-per-step", type=int, default=1,
+                        help="rows of train.token_budget scored at once (the configs' fill a GPU; one row of "
+                             "data.max_len tokens keeps a CPU's memory at a few GB); each sample is scored alone "
+                             "in its row whatever the packing")
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
+    parser.add_argument("--work", type=Path, default=REPO / "results" / "heldout-validation")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    drafters = dict(item.split("=", 1) for item in args.drafter)
+    regenerated = sorted(Path(p) for p in glob.glob(args.regenerated))
+    if not regenerated:
+        parser.error(f"--regenerated {args.regenerated!r} matches no file")
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    sources = {"sharegpt": [args.original], "target": regenerated}
+    held_out = {version: heldout_eval_set.heldout(args.split, paths, args.count) for version, paths in sources.items()}
+    ids = {version: [row["id"] for row in rows] for version, rows in held_out.items()}
+    if ids["sharegpt"] != ids["target"]:
+        raise SystemExit("the original and regenerated files do not hold the same held-out conversations")
+    rows, timings = [], {}
+    for version, conversations in held_out.items():
+        path = args.work / f"{version}.jsonl"
+        path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in conversations))
+        overlay = run_overlay(f"heldout-validation-{version}", path, len(conversations), args.samples_per_shard,
+                              args.device, next(iter(drafters.values())))
+        overlay_path = args.work / f"{overlay['run']}.yaml"
+        overlay_path.write_text(yaml.safe_dump(overlay, sort_keys=False))
+        started = time.monotonic()
+        config = build_run([*args.config, str(overlay_path)], args.cores, args.work / f"{version}.snakemake.log")
+        timings[f"{version}_data_s"] = round(time.monotonic() - started, 1)
+        layout = RunLayout(config, REPO)
+        consolidated = {name: layout.consolidated(name) for name in ("index.json", "draft_vocab.safetensors", "split.json")}
+        settings = {**config["train"], "rows_per_step": args.rows_per_step, "token_budget": config["data"]["max_len"]}
+        for name, drafter in drafters.items():
+            started = time.monotonic()
+            result = train.validate_drafter(drafter, *consolidated.values(), REPO / config["target"]["path"],
+                                            settings, split="all")
+            timings[f"{version}_{name}_s"] = round(time.monotonic() - started, 1)
+            rows.append({"drafter": name, "path": drafter, "answers": version, "conversations": len(conversations),
+                         **result})
+            print_row(rows[-1])
+    table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+             "device": args.device, "split": str(args.split), "count": args.count, "configs": args.config,
+             "rows_per_step": args.rows_per_step,
+             "conversation_ids": ids["sharegpt"], "seconds": timings, "rows": rows}
+    args.out.write_text(json.dumps(table, indent=1))
+    print(f"-> {args.out}")
+    return 0
+
+
+def print_row(row: dict) -> None:
+    acc = " ".join(f"{a:.3f}" for a in row["acc"])
+    print(f"{row['drafter']:<14} {row['answers']:<9} positions {row['positions'][0]:>7}  acc by TTT step: {acc}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
