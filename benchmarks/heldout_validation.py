@@ -20,6 +20,7 @@ ttt_length - 1, the configs' train section).
 Prints one row per (drafter, answers) and writes them to ``--out`` as JSON.
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -59,14 +60,14 @@ def run_overlay(name: str, conversations: Path, count: int, samples_per_shard: i
     }
 
 
-def build_run(configs: list[str], cores: int, log_path: Path) -> dict:
-    """Run the workflow up to consolidate for one version (its overlay last in ``configs``);
-    returns the run's config as the Snakefile saw it."""
-    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(REPO),
+def build_run(directory: Path, configs: list[str], cores: int, log_path: Path) -> dict:
+    """Run the workflow in ``directory`` up to consolidate for one version (its overlay last in
+    ``configs``); returns the run's config as the Snakefile saw it."""
+    command = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile"), "--directory", str(directory),
                "--cores", str(cores), "--configfile", *configs, "--", "hidden_states"]
     with open(log_path, "w") as log:
-        subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return load_config(REPO, configs)
+        subprocess.run(command, cwd=directory, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return load_config(directory, configs)
 
 
 def main(argv=None) -> int:
@@ -85,15 +86,28 @@ def main(argv=None) -> int:
                              "data.max_len tokens keeps a CPU's memory at a few GB); each sample is scored alone "
                              "in its row whatever the packing")
     parser.add_argument("--cores", type=int, default=os.cpu_count())
-    parser.add_argument("--work", type=Path, default=REPO / "results" / "heldout-validation")
+    parser.add_argument("--directory", type=Path, default=REPO,
+                        help="the workflow's working directory (results/ and logs/ of both runs go there)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="the conversation files, overlays and logs (default DIRECTORY/results/heldout-validation)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    drafters = dict(item.split("=", 1) for item in args.drafter)
-    regenerated = sorted(Path(p) for p in glob.glob(args.regenerated))
+    drafters = {name: str(Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.drafter)}
+    regenerated = sorted(Path(p).resolve() for p in glob.glob(args.regenerated))
     if not regenerated:
         parser.error(f"--regenerated {args.regenerated!r} matches no file")
+    args.split, args.original, args.out = args.split.resolve(), args.original.resolve(), args.out.resolve()
+    args.directory = args.directory.resolve()
+    args.config = [str(Path(config).resolve()) for config in args.config]
+    args.work = (args.work or args.directory / "results" / "heldout-validation").resolve()
     args.work.mkdir(parents=True, exist_ok=True)
+    # The consolidated indexes name their shards relative to the workflow's directory.
+    with contextlib.chdir(args.directory):
+        return validate_both(args, drafters, regenerated)
 
+
+def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> int:
+    """Both versions made into runs, every drafter scored on both; the table to ``args.out``."""
     sources = {"sharegpt": [args.original], "target": regenerated}
     held_out = {version: heldout_eval_set.heldout(args.split, paths, args.count) for version, paths in sources.items()}
     ids = {version: [row["id"] for row in rows] for version, rows in held_out.items()}
@@ -108,14 +122,15 @@ def main(argv=None) -> int:
         overlay_path = args.work / f"{overlay['run']}.yaml"
         overlay_path.write_text(yaml.safe_dump(overlay, sort_keys=False))
         started = time.monotonic()
-        config = build_run([*args.config, str(overlay_path)], args.cores, args.work / f"{version}.snakemake.log")
+        config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
+                           args.work / f"{version}.snakemake.log")
         timings[f"{version}_data_s"] = round(time.monotonic() - started, 1)
-        layout = RunLayout(config, REPO)
+        layout = RunLayout(config, args.directory)
         consolidated = {name: layout.consolidated(name) for name in ("index.json", "draft_vocab.safetensors", "split.json")}
         settings = {**config["train"], "rows_per_step": args.rows_per_step, "token_budget": config["data"]["max_len"]}
         for name, drafter in drafters.items():
             started = time.monotonic()
-            result = train.validate_drafter(drafter, *consolidated.values(), REPO / config["target"]["path"],
+            result = train.validate_drafter(drafter, *consolidated.values(), args.directory / config["target"]["path"],
                                             settings, split="all")
             timings[f"{version}_{name}_s"] = round(time.monotonic() - started, 1)
             rows.append({"drafter": name, "path": drafter, "answers": version, "conversations": len(conversations),
