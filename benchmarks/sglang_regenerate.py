@@ -617,6 +617,13 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["ceiling_tokens_per_s"] = ceiling["tokens_per_s"]
         result["ratio_to_ceiling"] = round(generated_per_s / ceiling["tokens_per_s"], 3) if generated_per_s else None
         result["ceiling"] = ceiling
+    client = regenerate.client_totals(shards)
+    if client and seconds:  # the requests the clients kept in flight, beside the server's batch (schedule)
+        result["client"] = {**client, "mean_in_flight": round(client["in_request_s"] / seconds, 1),
+                            "mean_busy_threads": round(client["conversation_s"] / seconds, 1),
+                            "mean_request_s": round(client["in_request_s"] / max(client["requests"], 1), 4),
+                            "mean_first_chunk_s": round(client["first_chunk_s"] / client["first_chunks"], 4)
+                            if client["first_chunks"] else None}
     if server_log is not None and server_log.exists():
         result["schedule"] = server_schedule(server_log)
     if cpu is not None:
@@ -636,11 +643,14 @@ def cmd_summary(options) -> int:
     result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready,
                                 Path(options.server_log) if options.server_log else None, cpu, server_metrics)
     Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
-    print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s | ceiling tok/s | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s "
+          "| ceiling tok/s | ratio | clients' requests in flight | server's batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print(f"| {result['conversations']} | {result['turns']} | {result['regenerated']} | {result['stopped_by_repetition']} "
           f"| {result['failed']} | {result['generated_tokens_per_s']} | {result['new_tokens_per_s']} "
-          f"| {result.get('ceiling_tokens_per_s')} | {result.get('ratio_to_ceiling')} |")
+          f"| {result.get('ceiling_tokens_per_s')} | {result.get('ratio_to_ceiling')} "
+          f"| {(result.get('client') or {}).get('mean_in_flight')} "
+          f"| {(result.get('schedule') or {}).get('mean_running_requests')} |")
     return 0
 
 

@@ -390,6 +390,14 @@ def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_g
     # A server counts an answer's stop token among its completion tokens; the in-process backend does not.
     stopped = report["regenerated"] - report["stopped_by_repetition"] - report["finished_by_length"]
     assert report["new_tokens"] == in_process["new_tokens"] + stopped
+    # The client's own account of its time: one request an answer, each in flight until read,
+    # at most the 2 conversations' threads at once; a streamed request's first chunk before its end.
+    client = report["client"]
+    assert client["requests"] == report["regenerated"] + report["retried"] and client["mean_in_flight"] <= 2
+    assert 0 < client["in_request_s"] <= client["conversation_s"]
+    assert client["first_chunks"] == (client["requests"] if stream else 0)
+    if stream:
+        assert 0 < client["mean_first_chunk_s"] < client["mean_request_s"]
     aborted = set(stats["aborted"]) - set(stats_before["aborted"])
     if stream:  # every loop ended in the server as it was seen, before the answer's end
         assert len(aborted) == report["stopped_by_repetition"]
@@ -625,6 +633,20 @@ def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_
     long = kept[0]["messages"]
     assert [m["content"] for m in long if m["role"] == "assistant"] == ["answer to a1", "answer to a2", "answer to a3"]
     assert kept[0]["regenerated_turns"] == [1, 3, 5]
+
+
+def test_the_clients_time_is_summed_over_threads_and_shards_and_read_over_the_wall_time():
+    timing = regenerate.RequestTiming()
+    for _ in range(4):  # four requests of 1.5 s, two streamed, four conversations of 2 s
+        timing.add(requests=1, in_request_s=1.5, conversation_s=2.0)
+    timing.add(first_chunks=2, first_chunk_s=0.5)
+    report = timing.report(seconds=3.0)
+    assert report == {"requests": 4, "in_request_s": 6.0, "first_chunks": 2, "first_chunk_s": 0.5, "conversation_s": 8.0,
+                      "mean_in_flight": 2.0, "mean_busy_threads": 2.67, "mean_request_s": 1.5, "mean_first_chunk_s": 0.25}
+    totals = regenerate.client_totals([{"client": report}, {"client": report}, {"turns": 3}])
+    assert totals == {"shards": 2, "requests": 8, "in_request_s": 12.0, "first_chunks": 4, "first_chunk_s": 1.0,
+                      "conversation_s": 16.0}
+    assert regenerate.client_totals([{"turns": 3}]) is None  # a transformers run: no server client
 
 
 def test_a_server_gets_the_conversations_with_most_turns_first_and_the_shard_keeps_its_order():

@@ -520,6 +520,8 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     scraped = json.loads((out / "metrics-workflow.json").read_text())
     assert scraped["series"] and "ended" in scraped, scraped
     assert summary["server_metrics"]["last"] == scraped["series"][-1]
+    # The clients' account beside the server's: what they kept in flight over the run.
+    assert summary["client"]["shards"] == 2 and 0 < summary["client"]["mean_in_flight"] <= 4, summary["client"]
     # The stage's own client on the config's plain server, beside its ceiling and out of the pick.
     client = json.loads((out / "client-workflow.json").read_text())
     assert (client["client"], client["prompts"], sum(client["finish_reasons"].values())) == ("workflow", 8, 8)

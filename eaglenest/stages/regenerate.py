@@ -324,6 +324,36 @@ class TransformersBackend:
         return len(self.prompt_ids(messages))
 
 
+class RequestTiming:
+    """A server client's time, summed over its threads (thread-safe): ``in_request_s`` from
+    each request sent to its answer read (or its failure), ``first_chunk_s`` to a streamed
+    answer's first chunk (the server's queue and prefill), ``conversation_s`` each
+    conversation's whole time on its thread (the client's own work between turns included).
+    Over the shard's wall time, ``in_request_s`` is how many requests it kept in flight."""
+
+    KEYS = ("requests", "in_request_s", "first_chunks", "first_chunk_s", "conversation_s")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                self.sums[key] += amount
+
+    def report(self, seconds: float) -> dict:
+        """The sums, and what they mean over ``seconds`` of the shard's wall time."""
+        sums = {key: round(value, 3) if key.endswith("_s") else int(value) for key, value in self.sums.items()}
+        return {
+            **sums,
+            "mean_in_flight": round(sums["in_request_s"] / seconds, 2) if seconds else None,
+            "mean_busy_threads": round(sums["conversation_s"] / seconds, 2) if seconds else None,
+            "mean_request_s": round(sums["in_request_s"] / sums["requests"], 4) if sums["requests"] else None,
+            "mean_first_chunk_s": round(sums["first_chunk_s"] / sums["first_chunks"], 4) if sums["first_chunks"] else None,
+        }
+
+
 class OpenAIBackend:
     """Answers from a running server: OpenAI chat completions (``api: chat``, any
     OpenAI-compatible server) or SGLang's native ``/generate`` with the prompt's token ids
@@ -340,6 +370,8 @@ class OpenAIBackend:
         # /generate ends at the model's eos only; a chat server also stops at the template's end of turn.
         self.stop_ids = end_of_turn_ids(self.tokenizer) if settings.api == "generate" else []
         self._last_prompt = threading.local()  # each conversation's thread measures a prompt, then sends it
+        # Where a shard job's time goes, summed over its threads (RequestTiming).
+        self.timing = RequestTiming()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         key = tuple((m["role"], m["content"]) for m in messages)
@@ -393,9 +425,10 @@ class OpenAIBackend:
             request = urllib.request.Request(
                 self.endpoint, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
             )
+            sent = time.monotonic()
             try:
                 with urllib.request.urlopen(request, timeout=s.timeout_s) as response:
-                    generation = (self._read_stream(response, body["rid"]) if streamed
+                    generation = (self._read_stream(response, body["rid"], sent) if streamed
                                   else self._answer(json.loads(response.read())))
                 generation.attempts = attempt
                 return generation
@@ -408,11 +441,13 @@ class OpenAIBackend:
                 error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             except (KeyError, IndexError, TypeError, ValueError) as e:
                 error = f"malformed answer: {type(e).__name__}: {e}"
+            finally:
+                self.timing.add(in_request_s=time.monotonic() - sent, requests=1)
             if attempt <= s.retries:
                 time.sleep(s.backoff_s * 2 ** (attempt - 1))
         return Generation(None, attempts=s.retries + 1, error=error)
 
-    def _read_stream(self, response, rid: str) -> Generation:
+    def _read_stream(self, response, rid: str, sent: float) -> Generation:
         """Read a streamed answer (server-sent events) and check it for a loop as it grows;
         at the first loop, ask the server to abort the request (SGLang's ``/abort_request``)
         and hang up (what a server without that route sees), so the server stops generating
@@ -420,10 +455,14 @@ class OpenAIBackend:
         generate = self.settings.api == "generate"
         text, ids, finish_reason, usage, fed = "", [], None, None, 0
         check = StreamedLoopCheck(self.tokenizer, self.settings.repetition_stop)
+        first = True
         for raw in response:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
                 continue
+            if first:  # the server's queue and prefill, as this client sees them
+                self.timing.add(first_chunk_s=time.monotonic() - sent, first_chunks=1)
+                first = False
             data = line[len("data:"):].strip()
             if data == "[DONE]":
                 break
@@ -555,6 +594,14 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
 
     if hasattr(backend, "answer"):  # a server: each conversation on its own, turn after turn
         def one_conversation(index: int) -> None:
+            started_conversation = time.monotonic()
+            try:
+                answer_turns(index)
+            finally:
+                if hasattr(backend, "timing"):
+                    backend.timing.add(conversation_s=time.monotonic() - started_conversation)
+
+        def answer_turns(index: int) -> None:
             turns = assistant_turns[index]
             for wave, k in enumerate(turns):
                 if not fits(index, k):
@@ -589,6 +636,8 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
             log.info("wave %d: %d prompts", wave, len(jobs))
     kept = [c for i, c in enumerate(work) if i not in dropped]
     counts["seconds"] = round(time.monotonic() - started, 3)
+    if hasattr(backend, "timing"):
+        counts["client"] = backend.timing.report(counts["seconds"])
     counts["failures"] = sorted(failures, key=lambda f: (f["sample_id"], f["turn"]))
     counts["dropped_conversations"] = sorted(work[i]["sample_id"] for i in dropped)
     return kept, counts
@@ -635,6 +684,15 @@ def totals(reports: list[dict]) -> dict:
         "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
 
 
+def client_totals(reports: list[dict]) -> dict | None:
+    """The server clients' time (RequestTiming) summed over the shard reports that have it."""
+    clients = [report["client"] for report in reports if report.get("client")]
+    if not clients:
+        return None
+    return {"shards": len(clients), **{key: round(sum(client.get(key, 0) for client in clients), 3)
+                                       for key in RequestTiming.KEYS}}
+
+
 def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.PathLike) -> dict:
     """One report for the stage: totals over the shard reports, every failure listed."""
     reports = [json.loads(Path(p).read_text()) for p in report_paths]
@@ -642,6 +700,7 @@ def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.Path
         "shards": len(reports),
         **totals(reports),
         "generation_seconds": round(sum(r["seconds"] for r in reports), 3),
+        **({"client": client} if (client := client_totals(reports)) else {}),
         "settings": reports[0]["settings"] if reports else {},
         "failures": [dict(f, shard_id=r["shard_id"]) for r in reports for f in r["failures"]],
         "dropped_conversations": [s for r in reports for s in r["dropped_conversations"]],
