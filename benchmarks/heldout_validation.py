@@ -22,6 +22,7 @@ Prints one row per (drafter, answers) and writes them to ``--out`` as JSON.
 import argparse
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
                         help="repeatable; the first one's draft vocabulary is the runs'")
     parser.add_argument("--config", action="append", default=[], help="repeatable: the configs of the drafters' run")
     parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--offset", type=int, default=0,
+                        help="skip that many first (another set of the same held-out conversations, e.g. the next 50)")
     parser.add_argument("--samples-per-shard", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rows-per-step", type=int, default=1,
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
 def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> int:
     """Both versions made into runs, every drafter scored on both; the table to ``args.out``."""
     sources = {"sharegpt": [args.original], "target": regenerated}
-    held_out = {version: heldout_eval_set.heldout(args.split, paths, args.count) for version, paths in sources.items()}
+    held_out = {version: heldout_eval_set.heldout(args.split, paths, args.offset + args.count)[args.offset:]
+                for version, paths in sources.items()}
     ids = {version: [row["id"] for row in rows] for version, rows in held_out.items()}
     if ids["sharegpt"] != ids["target"]:
         raise SystemExit("the original and regenerated files do not hold the same held-out conversations")
@@ -117,7 +121,11 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
     for version, conversations in held_out.items():
         path = args.work / f"{version}.jsonl"
         path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in conversations))
-        overlay = run_overlay(f"heldout-validation-{version}", path, len(conversations), args.samples_per_shard,
+        # A run of its own per set of conversations: its hidden shards are extracted once and
+        # never taken for another set's (the workflow does not re-extract a shard whose
+        # prepared input changed; consolidate refuses it as stale).
+        digest = hashlib.sha256("\n".join(ids[version]).encode()).hexdigest()[:10]
+        overlay = run_overlay(f"heldout-validation-{version}-{digest}", path, len(conversations), args.samples_per_shard,
                               args.device, next(iter(drafters.values())))
         overlay_path = args.work / f"{overlay['run']}.yaml"
         overlay_path.write_text(yaml.safe_dump(overlay, sort_keys=False))
@@ -133,11 +141,12 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
             result = train.validate_drafter(drafter, *consolidated.values(), args.directory / config["target"]["path"],
                                             settings, split="all")
             timings[f"{version}_{name}_s"] = round(time.monotonic() - started, 1)
-            rows.append({"drafter": name, "path": drafter, "answers": version, "conversations": len(conversations),
-                         **result})
+            rows.append({"drafter": name, "path": drafter, "answers": version, "run": config["run"],
+                         "conversations": len(conversations), **result})
             print_row(rows[-1])
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-             "device": args.device, "split": str(args.split), "count": args.count, "configs": args.config,
+             "device": args.device, "split": str(args.split), "offset": args.offset, "count": args.count,
+             "configs": args.config,
              "rows_per_step": args.rows_per_step,
              "conversation_ids": ids["sharegpt"], "seconds": timings, "rows": rows}
     args.out.write_text(json.dumps(table, indent=1))

@@ -58,7 +58,7 @@ def test_both_versions_of_the_held_out_conversations_are_scored_for_every_drafte
         "--drafter", f"one={drafters[0]}", "--drafter", f"two={drafters[1]}", "--config", str(configfile),
         "--count", "4", "--samples-per-shard", "2", "--cores", "2", "--directory", str(workdir), "--out", str(out),
     ]) == 0
-    table = json.loads(out.read_text())
+    table = first_table = json.loads(out.read_text())
     import heldout_eval_set
 
     first = [row["id"] for row in heldout_eval_set.heldout(split, ingested, 4)]
@@ -72,6 +72,16 @@ def test_both_versions_of_the_held_out_conversations_are_scored_for_every_drafte
     # Other answers, other loss positions: the target's version is not ShareGPT's again.
     assert by["one", "sharegpt"]["positions"] != by["one", "target"]["positions"]
     # Each version is a run of the workflow's own: its consolidated index names every held-out conversation.
-    for answers in ("sharegpt", "target"):
-        index = json.loads((workdir / "results" / f"heldout-validation-{answers}" / "consolidated" / "index.json").read_text())
-        assert index["totals"]["samples"] == 4, index["totals"]
+    for row in table["rows"][1::2]:
+        index = json.loads((workdir / "results" / row["run"] / "consolidated" / "index.json").read_text())
+        assert index["totals"]["samples"] == 4 and row["run"].startswith(f"heldout-validation-{row['answers']}-"), index
+    # --offset: the next held-out conversations, none of the first ones.
+    assert heldout_validation.main([
+        "--split", str(split), "--original", str(ingested), "--regenerated", str(regenerated / "shard-*.jsonl"),
+        "--drafter", f"one={drafters[0]}", "--config", str(configfile), "--count", "2", "--offset", "4",
+        "--samples-per-shard", "2", "--cores", "2", "--directory", str(workdir), "--out", str(out),
+    ]) == 0
+    table = json.loads(out.read_text())
+    assert table["conversation_ids"] == [row["id"] for row in heldout_eval_set.heldout(split, ingested, 6)][4:]
+    assert [row["answers"] for row in table["rows"]] == ["sharegpt", "target"]
+    assert not {row["run"] for row in table["rows"]} & {row["run"] for row in first_table["rows"]}  # runs of their own
