@@ -593,6 +593,7 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
                        server_log: Path | None = None, cpu: dict | None = None, server_metrics: dict | None = None) -> dict:
     """The issue's ``regenerate`` row from a finished (or partly finished) regenerate stage:
     from ``ready`` (when the workflow's server was ready) to the last shard's report."""
+    from eaglenest.sglang import metrics
     from eaglenest.stages import regenerate
 
     reports = sorted((workdir / "results" / run / "regenerated").glob("*/shard-*.report.json"))
@@ -617,7 +618,7 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["ceiling_tokens_per_s"] = ceiling["tokens_per_s"]
         result["ratio_to_ceiling"] = round(generated_per_s / ceiling["tokens_per_s"], 3) if generated_per_s else None
         result["ceiling"] = ceiling
-    client = regenerate.client_totals(shards)
+    client = metrics.client_totals(shards)
     if client and seconds:  # the requests the clients kept in flight, beside the server's batch (schedule)
         result["client"] = {**client, "mean_in_flight": round(client["in_request_s"] / seconds, 1),
                             "mean_busy_threads": round(client["conversation_s"] / seconds, 1),

@@ -22,6 +22,7 @@ import yaml
 
 from eaglenest import plan
 from eaglenest.formats import atomic
+from eaglenest.sglang import metrics
 from eaglenest.stages import ingest, prepare, regenerate
 from conftest import DEFAULT_CONFIG, REPO, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until
 from test_sglang_protocol import start_standin
@@ -636,17 +637,17 @@ def test_a_server_answers_each_conversation_turn_after_turn_without_waiting_for_
 
 
 def test_the_clients_time_is_summed_over_threads_and_shards_and_read_over_the_wall_time():
-    timing = regenerate.RequestTiming()
+    timing = metrics.RequestTiming()
     for _ in range(4):  # four requests of 1.5 s, two streamed, four conversations of 2 s
         timing.add(requests=1, in_request_s=1.5, conversation_s=2.0)
     timing.add(first_chunks=2, first_chunk_s=0.5)
     report = timing.report(seconds=3.0)
     assert report == {"requests": 4, "in_request_s": 6.0, "first_chunks": 2, "first_chunk_s": 0.5, "conversation_s": 8.0,
                       "mean_in_flight": 2.0, "mean_busy_threads": 2.67, "mean_request_s": 1.5, "mean_first_chunk_s": 0.25}
-    totals = regenerate.client_totals([{"client": report}, {"client": report}, {"turns": 3}])
+    totals = metrics.client_totals([{"client": report}, {"client": report}, {"turns": 3}])
     assert totals == {"shards": 2, "requests": 8, "in_request_s": 12.0, "first_chunks": 4, "first_chunk_s": 1.0,
                       "conversation_s": 16.0}
-    assert regenerate.client_totals([{"turns": 3}]) is None  # a transformers run: no server client
+    assert metrics.client_totals([{"turns": 3}]) is None  # a transformers run: no server client
 
 
 def test_a_server_gets_the_conversations_with_most_turns_first_and_the_shard_keeps_its_order():

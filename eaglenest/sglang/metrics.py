@@ -1,5 +1,6 @@
 """What an SGLang server counts about itself: its Prometheus metrics (``--enable-metrics``),
-read from ``GET /metrics`` and summed over their labels.
+read from ``GET /metrics`` and summed over their labels; and what a client of it measures of
+the same path (RequestTiming: the regenerate stage's requests, from sent to read).
 
 The one the regeneration benchmark watches is the radix cache's eviction (SGLang 0.5.14, read
 in its source): once the KV pool is full of cached prefixes, every allocation the pool cannot
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import urllib.request
 
 # name{labels} value  (Prometheus text exposition; labels optional)
@@ -75,3 +77,42 @@ def eviction_summary(first: dict[str, float], last: dict[str, float], seconds: f
         "ms_per_eviction": round(1000 * eviction_s / evictions, 4) if evictions else None,
         "evicted_tokens": int(delta("sglang:evicted_tokens_total")),
     }
+
+
+class RequestTiming:
+    """A server client's time, summed over its threads (thread-safe): ``in_request_s`` from
+    each request sent to its answer read (or its failure), ``first_chunk_s`` to a streamed
+    answer's first chunk (the server's queue and prefill), ``conversation_s`` each
+    conversation's whole time on its thread (the client's own work between turns included).
+    Over the shard's wall time, ``in_request_s`` is how many requests it kept in flight."""
+
+    KEYS = ("requests", "in_request_s", "first_chunks", "first_chunk_s", "conversation_s")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.sums = dict.fromkeys(self.KEYS, 0.0)
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                self.sums[key] += amount
+
+    def report(self, seconds: float) -> dict:
+        """The sums, and what they mean over ``seconds`` of the shard's wall time."""
+        sums = {key: round(value, 3) if key.endswith("_s") else int(value) for key, value in self.sums.items()}
+        return {
+            **sums,
+            "mean_in_flight": round(sums["in_request_s"] / seconds, 2) if seconds else None,
+            "mean_busy_threads": round(sums["conversation_s"] / seconds, 2) if seconds else None,
+            "mean_request_s": round(sums["in_request_s"] / sums["requests"], 4) if sums["requests"] else None,
+            "mean_first_chunk_s": round(sums["first_chunk_s"] / sums["first_chunks"], 4) if sums["first_chunks"] else None,
+        }
+
+
+def client_totals(reports: list[dict]) -> dict | None:
+    """The server clients' time (RequestTiming) summed over the shard reports that have it."""
+    clients = [report["client"] for report in reports if report.get("client")]
+    if not clients:
+        return None
+    return {"shards": len(clients), **{key: round(sum(client.get(key, 0) for client in clients), 3)
+                                       for key in RequestTiming.KEYS}}

@@ -45,6 +45,7 @@ from pathlib import Path
 from eaglenest.formats import atomic
 from eaglenest import settings as settings_lib
 from eaglenest.target_model.runtime import length_batches
+from eaglenest.sglang import metrics
 from eaglenest.plan import REGENERATION_CONTENT
 from eaglenest.stages.prepare import TemplateError, load_tokenizer, prompt_ids, render, shard_conversations
 
@@ -324,36 +325,6 @@ class TransformersBackend:
         return len(self.prompt_ids(messages))
 
 
-class RequestTiming:
-    """A server client's time, summed over its threads (thread-safe): ``in_request_s`` from
-    each request sent to its answer read (or its failure), ``first_chunk_s`` to a streamed
-    answer's first chunk (the server's queue and prefill), ``conversation_s`` each
-    conversation's whole time on its thread (the client's own work between turns included).
-    Over the shard's wall time, ``in_request_s`` is how many requests it kept in flight."""
-
-    KEYS = ("requests", "in_request_s", "first_chunks", "first_chunk_s", "conversation_s")
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.sums = dict.fromkeys(self.KEYS, 0.0)
-
-    def add(self, **amounts: float) -> None:
-        with self._lock:
-            for key, amount in amounts.items():
-                self.sums[key] += amount
-
-    def report(self, seconds: float) -> dict:
-        """The sums, and what they mean over ``seconds`` of the shard's wall time."""
-        sums = {key: round(value, 3) if key.endswith("_s") else int(value) for key, value in self.sums.items()}
-        return {
-            **sums,
-            "mean_in_flight": round(sums["in_request_s"] / seconds, 2) if seconds else None,
-            "mean_busy_threads": round(sums["conversation_s"] / seconds, 2) if seconds else None,
-            "mean_request_s": round(sums["in_request_s"] / sums["requests"], 4) if sums["requests"] else None,
-            "mean_first_chunk_s": round(sums["first_chunk_s"] / sums["first_chunks"], 4) if sums["first_chunks"] else None,
-        }
-
-
 class OpenAIBackend:
     """Answers from a running server: OpenAI chat completions (``api: chat``, any
     OpenAI-compatible server) or SGLang's native ``/generate`` with the prompt's token ids
@@ -371,7 +342,7 @@ class OpenAIBackend:
         self.stop_ids = end_of_turn_ids(self.tokenizer) if settings.api == "generate" else []
         self._last_prompt = threading.local()  # each conversation's thread measures a prompt, then sends it
         # Where a shard job's time goes, summed over its threads (RequestTiming).
-        self.timing = RequestTiming()
+        self.timing = metrics.RequestTiming()
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         key = tuple((m["role"], m["content"]) for m in messages)
@@ -684,15 +655,6 @@ def totals(reports: list[dict]) -> dict:
         "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
 
 
-def client_totals(reports: list[dict]) -> dict | None:
-    """The server clients' time (RequestTiming) summed over the shard reports that have it."""
-    clients = [report["client"] for report in reports if report.get("client")]
-    if not clients:
-        return None
-    return {"shards": len(clients), **{key: round(sum(client.get(key, 0) for client in clients), 3)
-                                       for key in RequestTiming.KEYS}}
-
-
 def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.PathLike) -> dict:
     """One report for the stage: totals over the shard reports, every failure listed."""
     reports = [json.loads(Path(p).read_text()) for p in report_paths]
@@ -700,7 +662,7 @@ def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.Path
         "shards": len(reports),
         **totals(reports),
         "generation_seconds": round(sum(r["seconds"] for r in reports), 3),
-        **({"client": client} if (client := client_totals(reports)) else {}),
+        **({"client": client} if (client := metrics.client_totals(reports)) else {}),
         "settings": reports[0]["settings"] if reports else {},
         "failures": [dict(f, shard_id=r["shard_id"]) for r in reports for f in r["failures"]],
         "dropped_conversations": [s for r in reports for s in r["dropped_conversations"]],
