@@ -43,9 +43,6 @@ from eaglenest.layout import RunLayout  # noqa: E402
 from eaglenest.node.recon.config import load_config  # noqa: E402
 from eaglenest.stages import train  # noqa: E402
 
-VERSIONS = ("sharegpt", "target")  # the answers ShareGPT holds; the target's own (regenerated)
-
-
 def run_overlay(name: str, conversations: Path, count: int, samples_per_shard: int, device: str,
                 draft_vocab_from: str) -> dict:
     """The config overlay of one version's run: its conversations, the extraction on ``device``,
@@ -111,7 +108,7 @@ def main(argv=None) -> int:
 
 def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> int:
     """Both versions made into runs, every drafter scored on both; the table to ``args.out``."""
-    sources = {"sharegpt": [args.original], "target": regenerated}
+    sources = {"sharegpt": [args.original], "target": regenerated}  # ShareGPT's answers; the target's (regenerated)
     held_out = {version: heldout_eval_set.heldout(args.split, paths, args.offset + args.count)[args.offset:]
                 for version, paths in sources.items()}
     ids = {version: [row["id"] for row in rows] for version, rows in held_out.items()}

@@ -620,11 +620,7 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
         result["ceiling"] = ceiling
     client = metrics.client_totals(shards)
     if client and seconds:  # the requests the clients kept in flight, beside the server's batch (schedule)
-        result["client"] = {**client, "mean_in_flight": round(client["in_request_s"] / seconds, 1),
-                            "mean_busy_threads": round(client["conversation_s"] / seconds, 1),
-                            "mean_request_s": round(client["in_request_s"] / max(client["requests"], 1), 4),
-                            "mean_first_chunk_s": round(client["first_chunk_s"] / client["first_chunks"], 4)
-                            if client["first_chunks"] else None}
+        result["client"] = {**client, **metrics.client_means(client, seconds)}
     if server_log is not None and server_log.exists():
         result["schedule"] = server_schedule(server_log)
     if cpu is not None:

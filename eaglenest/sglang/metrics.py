@@ -100,13 +100,18 @@ class RequestTiming:
     def report(self, seconds: float) -> dict:
         """The sums, and what they mean over ``seconds`` of the shard's wall time."""
         sums = {key: round(value, 3) if key.endswith("_s") else int(value) for key, value in self.sums.items()}
-        return {
-            **sums,
-            "mean_in_flight": round(sums["in_request_s"] / seconds, 2) if seconds else None,
-            "mean_busy_threads": round(sums["conversation_s"] / seconds, 2) if seconds else None,
-            "mean_request_s": round(sums["in_request_s"] / sums["requests"], 4) if sums["requests"] else None,
-            "mean_first_chunk_s": round(sums["first_chunk_s"] / sums["first_chunks"], 4) if sums["first_chunks"] else None,
-        }
+        return {**sums, **client_means(sums, seconds)}
+
+
+def client_means(sums: dict, seconds: float | None) -> dict:
+    """What RequestTiming's sums (one shard's, or all shards' from client_totals) mean over
+    ``seconds`` of wall time: requests in flight, threads busy, a request's and a first chunk's time."""
+    return {
+        "mean_in_flight": round(sums["in_request_s"] / seconds, 2) if seconds else None,
+        "mean_busy_threads": round(sums["conversation_s"] / seconds, 2) if seconds else None,
+        "mean_request_s": round(sums["in_request_s"] / sums["requests"], 4) if sums["requests"] else None,
+        "mean_first_chunk_s": round(sums["first_chunk_s"] / sums["first_chunks"], 4) if sums["first_chunks"] else None,
+    }
 
 
 def client_totals(reports: list[dict]) -> dict | None:
