@@ -40,7 +40,32 @@ def add_recon(subcommands) -> None:
     parser.set_defaults(handler=_run_recon)
 
 
-SUBCOMMANDS = [add_recon]
+def _run_add_embedding(args: argparse.Namespace) -> int:
+    from eaglenest.stages import export
+
+    out = export.add_embed_tokens(args.export, args.target, args.out)
+    print(f"{out}: the target's embedding written; loads in EAGLE's reference code as it is")
+    return 0
+
+
+def add_add_embedding(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "add-embedding",
+        help="write the target's token embedding into a drafter export (for EAGLE's reference code)",
+        description=(
+            "Exports leave the drafter's embedding (a frozen copy of the target's) out when it is large, "
+            "since SGLang and vLLM take the target's; EAGLE's reference code keeps a random one instead "
+            "(docs/export.md). This writes the target's into an SGLang or vLLM export, in its dtype; "
+            "config.json and every other tensor stay as they are."
+        ),
+    )
+    parser.add_argument("export", help="the export's directory (config.json, model.safetensors)")
+    parser.add_argument("--target", required=True, metavar="DIR", help="the target model's directory (its safetensors)")
+    parser.add_argument("--out", metavar="DIR", help="write here instead of in place")
+    parser.set_defaults(handler=_run_add_embedding)
+
+
+SUBCOMMANDS = [add_recon, add_add_embedding]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -405,3 +405,43 @@ def test_auto_writes_the_embedding_of_a_small_target_and_the_report_names_each_c
     lean = export.export_drafter(drafter_dir, tiny_llama, "tiny", tmp_path / "s2", tmp_path / "v2",
                                  tmp_path / "r2.json", include_embed_tokens=False)
     assert lean["consumers"]["eagle_reference"].startswith("needs include_embed_tokens: true")
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_add_embedding_writes_the_targets_into_an_export_and_changes_nothing_else(kind, drafter_dir, tiny_llama, tmp_path):
+    from safetensors.torch import load_file
+
+    from eaglenest import cli
+    from eaglenest.target_model.weights import load_target_rows
+
+    lean = _export(kind, drafter_dir, tiny_llama, tmp_path / "lean", dtype=torch.bfloat16)
+    before = load_file(str(lean / "model.safetensors"))
+    config_before = (lean / "config.json").read_bytes()
+    assert "embed_tokens.weight" not in before
+    assert cli.main(["add-embedding", str(lean), "--target", str(tiny_llama), "--out", str(tmp_path / "full")]) == 0
+    after = load_file(str(tmp_path / "full" / "model.safetensors"))
+    assert (tmp_path / "full" / "config.json").read_bytes() == config_before
+    assert set(after) == set(before) | {"embed_tokens.weight"}
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    embed = after["embed_tokens.weight"]
+    assert embed.dtype == torch.bfloat16
+    assert torch.equal(embed, load_target_rows(tiny_llama, "embed").to(torch.bfloat16))
+    # The export with the embedding reads back without the target, as the one without it did with it.
+    assert torch.equal(export.drafter_from_export(tmp_path / "full").embed_tokens.weight,
+                       export.drafter_from_export(lean, tiny_llama).embed_tokens.weight.to(torch.bfloat16).float())
+    # In place; a second time is refused with the export untouched.
+    export.add_embed_tokens(lean, tiny_llama)
+    assert torch.equal(load_file(str(lean / "model.safetensors"))["embed_tokens.weight"], embed)
+    with pytest.raises(ValueError, match="already holds"):
+        export.add_embed_tokens(lean, tiny_llama)
+
+
+def test_add_embedding_refuses_another_targets_embedding_and_leaves_the_export(drafter_dir, tiny_llama, tmp_path):
+    lean = _export("sglang", drafter_dir, tiny_llama, tmp_path / "lean", dtype=torch.bfloat16)
+    before = (lean / "model.safetensors").read_bytes()
+    config = json.loads((lean / "config.json").read_text())
+    config["vocab_size"] += 1  # as if the export were a larger target's
+    (lean / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="another target"):
+        export.add_embed_tokens(lean, tiny_llama)
+    assert (lean / "model.safetensors").read_bytes() == before

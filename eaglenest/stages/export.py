@@ -300,6 +300,34 @@ def load_any_drafter(drafter_dir, target_dir=None) -> Eagle3Drafter:
     return Eagle3Drafter.from_checkpoint(drafter_dir)
 
 
+def add_embed_tokens(export_dir, target_dir, out_dir=None) -> Path:
+    """An export (either format) with the target's embedding written into it, in the export's
+    dtype, for consumers that do not take the target's (EAGLE's reference code, docs/export.md):
+    ``config.json`` and every other tensor exactly as they were. Into ``out_dir``, or in place
+    (the safetensors file replaced atomically)."""
+    export_dir = Path(export_dir)
+    out_dir = Path(out_dir) if out_dir is not None else export_dir
+    config_text = (export_dir / "config.json").read_text()
+    tensors = _read_safetensors(export_dir / "model.safetensors")
+    if _EMBED in tensors:
+        raise ValueError(f"{export_dir} already holds {_EMBED}")
+    config, state_dict = read_export(export_dir, target_dir)  # checks the export, takes the target's
+    layer = config.get("transformer_layer_config", config)
+    embed = state_dict[_EMBED]
+    if tuple(embed.shape) != (layer["vocab_size"], layer["hidden_size"]):
+        raise ValueError(f"{target_dir}'s embedding is {tuple(embed.shape)}, the export's config wants "
+                         f"({layer['vocab_size']}, {layer['hidden_size']}): another target?")
+    expected = {**tensors, _EMBED: embed.to(tensors["fc.weight"].dtype).contiguous()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic.atomic_path(out_dir / "model.safetensors") as tmp:
+        save_file(expected, str(tmp), metadata={"format": "pt"})
+    if out_dir != export_dir:  # config.json last: a directory with one is a finished export
+        atomic.write_text(out_dir / "config.json", config_text)
+    _check_written(out_dir, expected)
+    log.info("%s: %s %s from %s written", out_dir, _EMBED, tuple(embed.shape), target_dir)
+    return out_dir
+
+
 def target_identity(target_dir, target_name: str, verifier_name_or_path: str | None = None) -> dict:
     """Name, architecture and the verifier path a vLLM export names, from the target's config.json."""
     target_config = json.loads((Path(target_dir) / "config.json").read_text())
