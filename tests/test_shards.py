@@ -1,3 +1,6 @@
+import os
+import stat
+
 import pytest
 import torch
 
@@ -122,3 +125,20 @@ def test_a_starting_job_removes_only_its_own_stale_temps(tmp_path):
         path.write_bytes(b"partial")
     assert atomic.remove_stale_temps(tmp_path, "shard-00001.safetensors") == [mine]
     assert running.exists() and not mine.exists()
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_a_published_shard_has_the_mode_the_umask_gives_not_safetensors_0600(tmp_path, mask):
+    from eaglenest.formats import atomic
+    from safetensors.torch import save_file
+
+    previous = os.umask(mask)
+    try:
+        assert atomic.umask() == mask
+        with atomic.atomic_path(tmp_path / "x.safetensors") as tmp:
+            save_file({"a": torch.zeros(2)}, str(tmp))
+        atomic.write_text(tmp_path / "x.json", "{}")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE((tmp_path / "x.json").stat().st_mode) == 0o666 & ~mask

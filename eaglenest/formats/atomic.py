@@ -50,14 +50,31 @@ def _is_enospc(exc: BaseException) -> bool:
     return "No space left on device" in str(exc) or "os error 28" in str(exc)
 
 
+def umask() -> int:
+    """The process's umask, read from /proc where it can be without setting it."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path next to ``path``; on success fsync it and rename it into place."""
+    """Yield a temp path next to ``path``; on success fsync it and rename it into place.
+
+    The file gets the mode a plain ``open`` gives (0666 less the umask) whatever its writer
+    chose: safetensors 0.8.0's ``save_file`` leaves 0600, so shards, checkpoints and exports
+    were unreadable to any other user of the node (a server run under its own account)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
     try:
         yield tmp
+        with contextlib.suppress(OSError):  # a filesystem without modes keeps the file as written
+            os.chmod(tmp, 0o666 & ~umask())
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, final)
