@@ -308,16 +308,19 @@ def add_embed_tokens(export_dir, target_dir, out_dir=None) -> Path:
     export_dir = Path(export_dir)
     out_dir = Path(out_dir) if out_dir is not None else export_dir
     config_text = (export_dir / "config.json").read_text()
-    tensors = _read_safetensors(export_dir / "model.safetensors")
-    if _EMBED in tensors:
-        raise ValueError(f"{export_dir} already holds {_EMBED}")
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
+        if _EMBED in f.keys():
+            raise ValueError(f"{export_dir} already holds {_EMBED}")
     config, state_dict = read_export(export_dir, target_dir)  # checks the export, takes the target's
     layer = config.get("transformer_layer_config", config)
     embed = state_dict[_EMBED]
     if tuple(embed.shape) != (layer["vocab_size"], layer["hidden_size"]):
         raise ValueError(f"{target_dir}'s embedding is {tuple(embed.shape)}, the export's config wants "
                          f"({layer['vocab_size']}, {layer['hidden_size']}): another target?")
-    expected = {**tensors, _EMBED: embed.to(tensors["fc.weight"].dtype).contiguous()}
+    state_dict[_EMBED] = embed.to(state_dict["fc.weight"].dtype).contiguous()
+    # Back to the export's own tensor names (read_export gave the drafter's).
+    named = vllm_tensors if config.get("speculators_model_type") == "eagle3" else sglang_tensors
+    expected = named(state_dict)
     out_dir.mkdir(parents=True, exist_ok=True)
     with atomic.atomic_path(out_dir / "model.safetensors") as tmp:
         save_file(expected, str(tmp), metadata={"format": "pt"})
