@@ -1,7 +1,7 @@
 """τ per eval set and drafting setting for one or more evaluated runs, with bootstrap errors,
 and paired differences between runs evaluated on the same prompts.
 
-    python benchmarks/tau_table.py OUT.json results/<run>/evaluate [results/<run2>/evaluate ...]
+    python benchmarks/tau_table.py [--by-category] OUT.json results/<run>/evaluate [results/<run2>/evaluate ...]
 
 τ of a job is its total tokens over its total cycles (metrics.json). Its standard error comes
 from resampling prompts (2,000 bootstrap draws, seed 0). With two or more runs, the difference
@@ -11,6 +11,10 @@ removes the prompt-to-prompt spread that both runs share.
 A job whose chunks did not all run (no metrics.json) is read from the chunks it has, merged
 with eaglenest.stages.evaluate.metrics_from_parts; the row then says how many chunks and prompts it
 covers, and the paired differences use the prompts that every run has.
+
+``--by-category`` gives a row per prompt category as well (MT-bench's writing, roleplay,
+reasoning, math, coding, extraction, STEM, humanities; ``category`` in each prompt's record),
+each with its own bootstrap over that category's prompts.
 """
 import json
 import sys
@@ -51,7 +55,29 @@ def tau(tokens: np.ndarray, cycles: np.ndarray) -> float:
     return float(tokens.sum() / cycles.sum())
 
 
-def main(out: str, *evaluate_dirs: str) -> None:
+def paired_row(names, jobs, traces, ids, rng) -> dict:
+    """τ of each run over ``ids`` with its bootstrap error, and each later run's paired difference."""
+    arrays = [(np.array([t[i][0] for i in ids]), np.array([t[i][1] for i in ids])) for t in traces]
+    draws = rng.integers(0, len(ids), size=(DRAWS, len(ids)))
+    boot = [np.array([tau(tok[d], cyc[d]) for d in draws]) for tok, cyc in arrays]
+    row = {"prompts": len(ids), "runs": {}}
+    for name, job, (tok, cyc), b in zip(names, jobs, arrays, boot):
+        row["runs"][name] = {"tau": tau(tok, cyc), "se": float(b.std()), "device": job["device"],
+                             "method": job.get("method", "decode"), "dtype": job.get("dtype"),
+                             "acceptance_by_position": job["acceptance_by_position"]}
+        if "chunks_merged" in job:
+            row["runs"][name]["chunks_merged"] = job["chunks_merged"]
+    for name, b in zip(names[1:], boot[1:]):
+        diff = b - boot[0]
+        row["runs"][name]["minus_first"] = {"mean": row["runs"][name]["tau"] - row["runs"][names[0]]["tau"],
+                                            "se": float(diff.std()),
+                                            "ci95": [float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))]}
+    return row
+
+
+def main(*args: str) -> None:
+    by_category = "--by-category" in args
+    out, *evaluate_dirs = [a for a in args if a != "--by-category"]
     runs = [Path(d) for d in evaluate_dirs]
     names = [d.parent.name for d in runs]
     rng = np.random.default_rng(0)
@@ -65,27 +91,17 @@ def main(out: str, *evaluate_dirs: str) -> None:
         ids = sorted(set.intersection(*(set(t) for t in traces)))
         if not ids:  # partial jobs that share no prompt
             continue
-        arrays = [(np.array([t[i][0] for i in ids]), np.array([t[i][1] for i in ids])) for t in traces]
-        draws = rng.integers(0, len(ids), size=(DRAWS, len(ids)))
-        boot = [np.array([tau(tok[d], cyc[d]) for d in draws]) for tok, cyc in arrays]
-        row = {"eval_set": eval_set, "drafting": drafting, "prompts": len(ids), "runs": {}}
-        for name, job, (tok, cyc), b in zip(names, jobs, arrays, boot):
-            row["runs"][name] = {"tau": tau(tok, cyc), "se": float(b.std()), "device": job["device"],
-                                 "method": job.get("method", "decode"), "dtype": job.get("dtype"),
-                                 "acceptance_by_position": job["acceptance_by_position"]}
-            if "chunks_merged" in job:
-                row["runs"][name]["chunks_merged"] = job["chunks_merged"]
-        for name, b in zip(names[1:], boot[1:]):
-            diff = b - boot[0]
-            row["runs"][name]["minus_first"] = {"mean": row["runs"][name]["tau"] - row["runs"][names[0]]["tau"],
-                                                "se": float(diff.std()),
-                                                "ci95": [float(np.quantile(diff, 0.025)), float(np.quantile(diff, 0.975))]}
-        rows.append(row)
+        rows.append({"eval_set": eval_set, "drafting": drafting, **paired_row(names, jobs, traces, ids, rng)})
+        categories = {p["id"]: p.get("category") for p in jobs[0]["per_prompt"]}
+        for category in sorted({categories[i] for i in ids if categories[i]}) if by_category else []:
+            subset = [i for i in ids if categories[i] == category]
+            rows.append({"eval_set": eval_set, "drafting": drafting, "category": category,
+                         **paired_row(names, jobs, traces, subset, rng)})
     Path(out).write_text(json.dumps({"runs": names, "rows": rows}, indent=1) + "\n")
-    header = ["set", "drafting", "prompts"] + [f"tau {n}" for n in names] + [f"{n} - {names[0]} (95% CI)" for n in names[1:]]
+    header = ["set", "drafting", "category", "prompts"] + [f"tau {n}" for n in names] + [f"{n} - {names[0]} (95% CI)" for n in names[1:]]
     print("\t".join(header))
     for row in rows:
-        cells = [row["eval_set"], row["drafting"], str(row["prompts"])]
+        cells = [row["eval_set"], row["drafting"], row.get("category", "all"), str(row["prompts"])]
         cells += [f"{row['runs'][n]['tau']:.3f} ± {row['runs'][n]['se']:.3f}"
                   + (" ({} of {} chunks)".format(*row["runs"][n]["chunks_merged"]) if "chunks_merged" in row["runs"][n] else "")
                   for n in names]
