@@ -18,6 +18,11 @@ Every figure comes from the run's own files, nothing is measured here:
 ``cycle`` (batch 1): a speculative cycle's cost in plain decoding steps, split by two chains of
 different depth into draft steps and the rest (verify, scheduler, sampling), and the speedup
 bound the rest puts on each setting (``cycle_costs``).
+
+``chain_search`` (with ``--sweep-dir``, the same drafter replayed at more chain depths, e.g.
+config/h200/own-answers-drafting-sweep.yaml): each chain's expected speedup from its replay tau
+and the cycle that split gives it (rest + steps x draft step), so that the fastest chain is
+found from two served chains instead of serving every depth.
 """
 
 from __future__ import annotations
@@ -147,6 +152,31 @@ def cycle_costs(rows: list[dict], concurrency: int = 1) -> dict | None:
     return result
 
 
+def chain_search(cycle: dict | None, sweep_tau: dict[str, float]) -> list[dict]:
+    """Every chain (top-k 1) setting of ``sweep_tau`` (setting name -> replay tau) with its
+    expected cycle and speedup from ``cycle``'s split, fastest first; [] without a split."""
+    split = (cycle or {}).get("split")
+    if not split or split["rest_of_cycle_ms"] <= 0:
+        return []
+    rows = []
+    for name, tau in sweep_tau.items():
+        shape = setting_shape(name)
+        if shape is None or shape["topk"] != 1:
+            continue
+        cycle_ms = split["rest_of_cycle_ms"] + shape["steps"] * split["draft_step_ms"]
+        served = cycle["settings"].get(name)
+        rows.append({"drafting": name, "steps": shape["steps"], "replay_tau": round(tau, 3),
+                     "expected_cycle_ms": round(cycle_ms, 3),
+                     "expected_speedup": round(cycle["plain_step_ms"] * tau / cycle_ms, 3),
+                     "served_speedup": served["speedup"] if served else None})
+    return sorted(rows, key=lambda row: -row["expected_speedup"])
+
+
+def sweep_taus(sweep_dir: Path) -> dict[str, float]:
+    """Setting name -> tau of every setting evaluated under ``sweep_dir`` (<run>/evaluate/<set>)."""
+    return {p.parent.name: json.loads(p.read_text())["tau"] for p in sorted(sweep_dir.glob("steps*/metrics.json"))}
+
+
 def format_table(result: dict) -> str:
     header = ("drafting", "cuda graph", "attention", "in flight", "prompts", "tokens/s", "speedup", "accept length",
               "tau", "replay tau")
@@ -185,6 +215,8 @@ def main(argv=None) -> int:
     parser.add_argument("--replay-run", default=None, help="the same prompts replayed by the transformers evaluator")
     parser.add_argument("--eval-set", default="mt_bench")
     parser.add_argument("--gpu", default=None, help="the device name (default: nvidia-smi's)")
+    parser.add_argument("--sweep-dir", type=Path, default=None,
+                        help="results/<run>/evaluate/<set> of the same drafter replayed at more chain depths")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     options = parser.parse_args(argv)
     result = collect(options.workdir, options.run, options.eval_set, options.replay_run, options.gpu)
@@ -192,6 +224,12 @@ def main(argv=None) -> int:
     print(format_table(result))
     if result["cycle"]:
         print(json.dumps(result["cycle"], indent=1))
+    if options.sweep_dir:
+        result["chain_search"] = chain_search(result["cycle"], sweep_taus(options.sweep_dir))
+        print("chain: expected speedup (replay tau / expected cycle), fastest first")
+        for row in result["chain_search"]:
+            print(f"  {row['drafting']}: {row['expected_speedup']}x (tau {row['replay_tau']}, "
+                  f"{row['expected_cycle_ms']} ms; served {row['served_speedup']})")
     if result["profile"]:
         print(format_profile(result["profile"]))
     if options.out:

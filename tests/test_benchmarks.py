@@ -385,3 +385,12 @@ def test_a_speculative_cycle_is_split_into_draft_steps_and_the_rest_by_two_chain
                               "rest_in_plain_steps": round(2.5 / cycle["plain_step_ms"], 3)}
     assert cycle["settings"]["steps6-topk10-tokens60"]["speedup_bound"] == round(cycle["plain_step_ms"] * 3.7 / 2.5, 3)
     assert sglang_serve.cycle_costs([row("steps3-topk1-tokens4", 500.0, 2.0)]) is None  # no plain server
+    # The chain search: a 5-step chain's cycle is 2.5 + 5 x 0.5 = 5 ms; with a replay tau of 2.5 it
+    # is expected at 1.43 x 2.5 / 5 = 0.71x, behind the 3-step chain's 1.43 x 2.2 / 4 = 0.79x.
+    found = sglang_serve.chain_search(cycle, {"steps3-topk1-tokens4": 2.2, "steps5-topk1-tokens6": 2.5,
+                                              "steps6-topk10-tokens60": 3.9})
+    assert [r["drafting"] for r in found] == ["steps3-topk1-tokens4", "steps5-topk1-tokens6"]  # chains only
+    assert found[1]["expected_cycle_ms"] == 5.0
+    assert found[1]["expected_speedup"] == round(cycle["plain_step_ms"] * 2.5 / 5.0, 3)
+    assert found[0]["served_speedup"] == chain["speedup"] and found[1]["served_speedup"] is None
+    assert sglang_serve.chain_search(None, {"steps3-topk1-tokens4": 2.2}) == []

@@ -153,8 +153,8 @@ def test_the_servers_accept_length_is_the_replay_tau_on_the_same_prompts(evaluat
 
     # benchmarks/sglang_serve.py: the issue's table from these two runs' files.
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "sglang_serve.py"), "--workdir", str(workdir),
-                             "--run", "tiny", "--replay-run", "tiny-replay", "--gpu", "cpu", "--out",
-                             str(workdir / "serve.json")], capture_output=True, text=True, check=True)
+                             "--run", "tiny", "--replay-run", "tiny-replay", "--gpu", "cpu", "--sweep-dir", str(replayed),
+                             "--out", str(workdir / "serve.json")], capture_output=True, text=True, check=True)
     table = json.loads((workdir / "serve.json").read_text())
     assert table["gpu"] == "cpu" and table["drafter"]["path"] == str(workdir / "export" / "sglang")
     assert table["drafter"]["sha256"] == hashlib.sha256(
@@ -171,6 +171,13 @@ def test_the_servers_accept_length_is_the_replay_tau_on_the_same_prompts(evaluat
     assert rows["plain", 2]["accept_length"] is None and rows["plain", 2]["tokens_per_s"] > 0
     # Each setting's cycle in plain steps at batch 1 (benchmarks/sglang_serve.py cycle_costs).
     assert sorted(table["cycle"]["settings"]) == sorted(SETTINGS) and table["cycle"]["plain_step_ms"] > 0
+    # The chain search over the replayed settings: both chains when the split leaves a positive
+    # rest of the cycle (the stand-in's timing decides), each with its replay tau.
+    if table["cycle"].get("split", {}).get("rest_of_cycle_ms", 0) > 0:
+        assert sorted(r["drafting"] for r in table["chain_search"]) == sorted(SETTINGS)
+        assert all(r["replay_tau"] == round(rows[r["drafting"], 1]["replay_tau"], 3) for r in table["chain_search"])
+    else:
+        assert table["chain_search"] == []
     assert result.stdout.splitlines()[0].startswith("drafting\tcuda graph\tattention")
 
 
