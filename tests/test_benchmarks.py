@@ -54,9 +54,10 @@ def test_train_throughput_times_two_ddp_processes_against_one_at_the_same_global
     assert "x 1 proc" in result.stdout
 
 
-def _chunk(eval_set: str, chunk: int, chunks: int, traces: dict) -> dict:
+def _chunk(eval_set: str, chunk: int, chunks: int, traces: dict, categories: dict | None = None) -> dict:
     return {"eval_set": eval_set, "chunk": [chunk, chunks], "device": "cpu", "dtype": "float32", "method": "replay",
-            "per_prompt": [{"id": pid, "accepted": accepted, "draft_depths": [3] * len(accepted), "cycles": len(accepted)}
+            "per_prompt": [{"id": pid, "accepted": accepted, "draft_depths": [3] * len(accepted), "cycles": len(accepted),
+                            "category": (categories or {}).get(pid)}
                            for pid, accepted in traces.items()]}
 
 
@@ -72,7 +73,8 @@ def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_ar
         job = run / "mt_bench" / "steps3-topk1-tokens4"
         (job / "chunks").mkdir(parents=True)
         for c in chunks:
-            (job / "chunks" / f"{c}.json").write_text(json.dumps(_chunk("mt_bench", c, 2, traces[c])))
+            (job / "chunks" / f"{c}.json").write_text(json.dumps(_chunk("mt_bench", c, 2, traces[c],
+                                                                        {"a": "writing", "b": "math", "c": "writing"})))
     merged = tau_table.read_job(first / "mt_bench" / "steps3-topk1-tokens4")
     (first / "mt_bench" / "steps3-topk1-tokens4" / "metrics.json").write_text(json.dumps(merged))
     out = tmp_path / "tau.json"
@@ -82,6 +84,13 @@ def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_ar
     assert row["runs"]["second"]["chunks_merged"] == [1, 2]
     assert row["runs"]["first"]["tau"] == row["runs"]["second"]["tau"] == (3 + 0 + 1 + 1 + 4) / 4  # (accepted + bonus tokens) / cycles
     assert row["runs"]["second"]["minus_first"]["mean"] == 0
+    # --by-category: the same row, then one per category over its own prompts (c is in one run only).
+    tau_table.main("--by-category", str(out), str(first), str(second))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("category") for r in rows] == [None, "math", "writing"]
+    assert rows[0]["runs"]["first"]["tau"] == row["runs"]["first"]["tau"]
+    assert rows[1]["prompts"] == rows[2]["prompts"] == 1
+    assert rows[1]["runs"]["first"]["tau"] == (1 + 1 + 2) / 2 and rows[2]["runs"]["second"]["tau"] == (3 + 0 + 2) / 2
 
 
 def test_same_references_finds_every_trace_equal_and_fails_on_one_that_differs(tmp_path):
