@@ -5,9 +5,10 @@ drafter (``load_state_dict(..., strict=False)``, at commit cb7e084); then both d
 forward on the same random aux hidden states and token ids, in float32.
 
 EAGLE is not a package: give its checkout (``--eagle-src``, the folder holding ``eagle/``). Its
-code reads ``config.rope_scaling["type"]`` whenever a config has rope scaling, which
-transformers 5 fills from ``rope_parameters``: run it with a transformers 4 (EAGLE's setup.py
-pins 4.46.2; 4.53.3 was used) first on ``PYTHONPATH``.
+rotary setup reads ``config.rope_scaling["type"]`` whenever ``rope_scaling`` is set
+(``eagle/model/cnets.py:216-225``); under transformers 5.24 the export's ``rope_parameters``
+set it without a ``type`` (a KeyError), so run it with a transformers 4 first on
+``PYTHONPATH`` (EAGLE's ``setup.py:14`` pins 4.46.2; 4.53.3 was used).
 
     PYTHONPATH=<transformers 4.53> python benchmarks/eagle_reference_check.py \
         --eagle-src <EAGLE checkout> --export <export directory> --out OUT.json

@@ -66,8 +66,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path next to ``path``; on success fsync it and rename it into place.
 
     The file gets the mode a plain ``open`` gives (0666 less the umask) whatever its writer
-    chose: safetensors 0.8.0's ``save_file`` leaves 0600, so shards, checkpoints and exports
-    were unreadable to any other user of the node (a server run under its own account)."""
+    chose: a file from safetensors 0.8.0's ``save_file`` is 0600 under any umask (measured), so
+    shards, checkpoints and exports were unreadable to any other user of the node (a server run
+    under its own account)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
