@@ -26,8 +26,8 @@ under the run's ``max_len`` of 2,048). The times are this machine's; the counts 
 leaves heapified per eviction, evictions per step) do not depend on it.
 
 Run where SGLang imports (the node's environment; on a CPU-only machine SGLang's source
-with its Python dependencies on ``PYTHONPATH``, transformers at the version SGLang pins, 5.8.1
-for 0.5.14, and ``--stub-torchvision``):
+with its Python dependencies on ``PYTHONPATH``, transformers at the version SGLang pins (0.5.14's
+wheel METADATA: ``Requires-Dist: transformers==5.8.1``), and ``--stub-torchvision``):
 
     python benchmarks/sglang_radix_eviction.py --model resources/models/SmolLM2-135M-Instruct \
         --regenerated results/<run>/regenerated/<key> --batch 1008 --pool-tokens 3227882 2000000 --out OUT.json
