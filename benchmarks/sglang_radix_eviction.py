@@ -236,17 +236,19 @@ def run(conversations, pool_tokens: int, batch: int, in_flight: int, eviction_po
         waiting.append(index)
     started = time.perf_counter()
     while waiting or running:
+        to_decode = sum(r["end"] - r["filled"] for r in running)  # what the running requests will still decode
         while waiting and len(running) < batch:
             prompt, answer = conversations[waiting[0]][next_turn[waiting[0]]]
             # SGLang's PrefillAdder admits a request only while the free and evictable slots
             # cover it and what the running requests will still decode.
             room = replay.allocator.available_size() + replay.cache.evictable_size()
-            if running and room < len(prompt) + len(answer) + sum(r["end"] - r["filled"] for r in running):
+            if running and room < len(prompt) + len(answer) + to_decode:
                 break
             index = waiting.popleft()
             request = replay.admit(prompt, answer)
             request["conversation"] = index
             running.append(request)
+            to_decode += request["end"] - request["filled"]
         replay.decode_step(running)
         still = []
         for request in running:
