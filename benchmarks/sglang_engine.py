@@ -42,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import pyspy_profiles  # noqa: E402  (beside this file)
+
 # The shape of the second target: Llama-3.1-8B's dimensions (its config.json on the hub),
 # with SmolLM2's rope settings (no long-context scaling), which change no cost of a 2,048-token prefill.
 SHAPES = {
@@ -187,7 +189,7 @@ def measure_patched(options, result: dict, work: Path, env: dict, logs: Path, pr
         result["patched"][dtype] = stats
         log(f"patched {dtype}: {stats}")
         if profiles:
-            result["profile"] = finish_profiles(profiles)
+            result["profile"] = pyspy_profiles.finish(profiles)
         if dtype != "bfloat16":
             path.unlink()
         if first:
@@ -274,53 +276,8 @@ def server_processes(server: "Server") -> dict:
 
 def start_profiles(server: "Server", seconds: float, out_dir: Path) -> list:
     """py-spy on each of the server's processes and on this one (the client) for ``seconds``
-    (without pausing them):
-    [(role, path, process)]. Nothing when py-spy is not installed."""
-    spy = shutil.which("py-spy")
-    if spy is None:
-        log("py-spy not found: no server profile")
-        return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    running = []
-    for role, pid in {**server_processes(server), "client": os.getpid()}.items():
-        path = out_dir / f"{role}.txt"
-        command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "250",
-                   "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)]
-        running.append((role, path, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
-    return running
-
-
-def summarize_profile(path: Path, top: int = 20) -> dict:
-    """A py-spy raw profile (collapsed stacks, ``frame;frame;... count``) per thread: the
-    share of samples per thread and its heaviest leaf frames (where the time is spent)."""
-    from collections import Counter
-
-    threads, leaves, total = Counter(), {}, 0
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        thread, count = frames[0], int(count)
-        total += count
-        threads[thread] += count
-        leaves.setdefault(thread, Counter())[frames[-1]] += count
-    return {"samples": total, "threads": [
-        {"thread": thread, "share": round(samples / max(total, 1), 3),
-         "top": [[frame, round(n / samples, 3)] for frame, n in leaves[thread].most_common(top)]}
-        for thread, samples in threads.most_common(8)]}
-
-
-def finish_profiles(running: list) -> dict:
-    result = {}
-    for role, path, process in running:
-        try:
-            _, err = process.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            err = b"timed out"
-        result[role] = summarize_profile(path) if path.exists() else {"error": err.decode(errors="replace")[-500:]}
-    return result
+    (``pyspy_profiles.record``); nothing when py-spy is not installed."""
+    return pyspy_profiles.record({**server_processes(server), "client": os.getpid()}, seconds, out_dir)
 
 
 # ------------------------------------------------------------------------------- measurements

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import sys
@@ -60,6 +59,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import pyspy_profiles  # noqa: E402  (beside this file)
+from process_cpu import sample_cpu, sglang_processes  # noqa: E402
 
 # The transformers backend's regeneration speed (docs/regeneration.md: SmolLM2-135M on one
 # H200, 2026-11-29, 8 shard jobs side by side); not remeasured in this run.
@@ -143,7 +146,8 @@ def measure_workflow_client(backend, prompts: list, concurrency: int, seed: int,
 
     route = backend.endpoint[len(backend.settings.url.rstrip("/")):]  # as the plain ceiling names it
     return {**timed_load(ask, prompts, concurrency, on_load_start), "route": route,
-            "client": "workflow", "streamed": bool(backend.settings.stream and backend.settings.repetition_stop >= 2)}
+            "client": "workflow", "streamed": bool(backend.settings.stream and backend.settings.repetition_stop >= 2),
+            "stream_interval": backend.settings.stream_interval}
 
 
 def timed_load(ask, items: list, concurrency: int, on_load_start=None) -> dict:
@@ -197,7 +201,9 @@ def cmd_ceiling(options) -> int:
     if options.client == "workflow":
         from eaglenest.stages.regenerate import OpenAIBackend, Settings
 
-        settings = Settings.from_config({**section, "url": options.url, "model": options.model or section.get("model")})
+        interval = {"stream_interval": options.stream_interval} if options.stream_interval else {}
+        settings = Settings.from_config({**section, "url": options.url, "model": options.model or section.get("model"),
+                                         **interval})
         backend = OpenAIBackend(options.model_path, settings, config["target"]["name"])
         result = measure_workflow_client(backend, prompts, options.concurrency, options.seed, on_load_start)
     else:
@@ -255,6 +261,15 @@ def pick_ceiling(ceilings: list[dict], extra_args: list[str], num_shards: int, b
     return {**best, "sweep": sweep}, overlay
 
 
+def pick_stream_interval(clients: list[dict]) -> int | None:
+    """The ``regenerate.stream_interval`` of the stage's own client load that kept the most
+    tokens a second, when loads at more than one interval ran on the same server; else None."""
+    streamed = [client for client in clients if client.get("streamed") and client.get("stream_interval")]
+    if len({client["stream_interval"] for client in streamed}) < 2:
+        return None
+    return max(streamed, key=lambda client: client["kept_tokens_per_s"])["stream_interval"]
+
+
 def server_settings(entry: dict) -> str:
     """A ceiling's environment and flags beyond the config's, as the sweep entry spelled them."""
     words = [f"{name}={value}" for name, value in entry.get("server_env", {}).items()] + list(entry.get("server_flags", []))
@@ -275,6 +290,12 @@ def cmd_pick(options) -> int:
     sglang = config["extract"]["sglang"]
     best, overlay = pick_ceiling(ceilings, sglang.get("extra_args") or [], plan.num_shards(config), options.base_concurrency,
                                  sglang.get("env"))
+    clients = [json.loads(Path(path).read_text()) for path in options.clients or [] if Path(path).exists()]
+    interval = pick_stream_interval(clients)
+    if interval is not None:  # the stage's own client was faster at another chunk size
+        overlay.setdefault("regenerate", {})["stream_interval"] = interval
+        best["workflow_clients"] = [{key: client.get(key) for key in ("stream_interval", "tokens_per_s", "kept_tokens_per_s")}
+                                    for client in clients]
     Path(options.out).write_text(json.dumps(best, indent=1) + "\n")
     Path(options.overlay).write_text(
         "# The regeneration server's flags: the ceiling sweep's fastest (benchmarks/sglang_regenerate.py pick)\n"
@@ -436,108 +457,6 @@ def cmd_profile(options) -> int:
     return 0 if "breakdown" in result else 1
 
 
-def cpu_role(cmdline: list[str]) -> str | None:
-    """Which part of a regeneration a process is, from its command line (SGLang's scheduler
-    and detokenizer rename themselves ``sglang::...``); None for anything else."""
-    from eaglenest.node.recon.processes import is_snakemake
-
-    text = " ".join(cmdline)
-    if cmdline and cmdline[0].startswith("sglang::"):
-        return re.sub(r"_TP\d+.*$", "", cmdline[0].split()[0])
-    if "sglang.launch_server" in text:
-        return "sglang HTTP server + tokenizer manager"
-    if "sglang_regenerate.py ceiling" in text:
-        return "ceiling client"
-    if "regenerate" in text and ".snakemake/scripts" in text:
-        return "regenerate jobs (the workflow's clients)"
-    if "eaglenest.sglang.launch" in text:
-        return "eaglenest launcher"
-    if is_snakemake(cmdline):
-        return "snakemake"
-    return None
-
-
-def _cpu_ticks(proc: Path, pid: int) -> tuple[int, dict[int, tuple[int, str, int]]]:
-    """(the process's user+system clock ticks, {thread id: (its ticks, its name, the
-    nanoseconds it has waited runnable for a core)})."""
-    def ticks(stat_path: Path) -> int:
-        fields = stat_path.read_text().rsplit(")", 1)[-1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-
-    def waited_ns(task: Path) -> int:
-        try:  # schedstat: time on a CPU, time waiting on a run queue, time slices (ns, ns, count)
-            return int((task / "schedstat").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            return 0
-
-    threads = {}
-    for task in (proc / str(pid) / "task").iterdir():
-        try:
-            threads[int(task.name)] = (ticks(task / "stat"), (task / "comm").read_text().strip(), waited_ns(task))
-        except (OSError, ValueError, IndexError):
-            continue
-    return ticks(proc / str(pid) / "stat"), threads
-
-
-def sample_cpu(seconds: float, proc: Path = Path("/proc")) -> dict:
-    """Cores each part of a regeneration keeps busy over ``seconds`` (from /proc), with the
-    busiest thread of each part: a part whose busiest thread nears one core is held by its
-    Python main thread, whatever the machine's other cores do. ``busiest_thread_waiting``: the
-    share of the time that thread was runnable but waited for a core (``schedstat``), so a
-    thread slowed by the machine's other threads shows apart from one with too much to do."""
-    from eaglenest.node.recon.processes import list_processes
-
-    def snapshot() -> dict:
-        processes, found = list_processes(str(proc)), {}
-        for pid, info in processes.items():
-            role = cpu_role(info["cmdline"])
-            parent = info["ppid"]
-            while role is None and parent in processes:  # a worker SGLang spawned, unnamed
-                parent_role = cpu_role(processes[parent]["cmdline"])
-                if parent_role and parent_role.startswith("sglang"):
-                    role = "sglang (other processes)"
-                parent = processes[parent]["ppid"]
-            if role is None:
-                continue
-            try:
-                found[pid] = (role, *_cpu_ticks(proc, pid))
-            except (OSError, ValueError, IndexError):
-                continue
-        return found
-
-    def machine_busy_ticks() -> tuple[int, int]:
-        fields = [int(value) for value in (proc / "stat").read_text().splitlines()[0].split()[1:]]
-        return sum(fields) - fields[3] - fields[4], sum(fields)  # all but idle and iowait, all
-
-    ticks_per_s = os.sysconf("SC_CLK_TCK")
-    busy_before, total_before = machine_busy_ticks()
-    before, started = snapshot(), time.monotonic()
-    time.sleep(seconds)
-    after, elapsed = snapshot(), time.monotonic() - started
-    busy_after, total_after = machine_busy_ticks()
-    groups: dict[str, dict] = {}
-    for pid, (role, total, threads) in after.items():
-        _, total_then, threads_then = before.get(pid, (role, 0, {}))
-        group = groups.setdefault(role, {"role": role, "processes": 0, "cores": 0.0, "busiest_thread_cores": 0.0,
-                                         "busiest_thread": None, "busiest_thread_waiting": 0.0})
-        group["processes"] += 1
-        group["cores"] += (total - total_then) / ticks_per_s / elapsed
-        for tid, (thread_ticks, name, waited) in threads.items():
-            ticks_then, _, waited_then = threads_then.get(tid, (0, name, 0))
-            cores = (thread_ticks - ticks_then) / ticks_per_s / elapsed
-            if cores > group["busiest_thread_cores"]:
-                group["busiest_thread_cores"], group["busiest_thread"] = cores, name
-                group["busiest_thread_waiting"] = (waited - waited_then) / 1e9 / elapsed
-    rows = sorted(groups.values(), key=lambda group: -group["cores"])
-    for row in rows:
-        for key in ("cores", "busiest_thread_cores", "busiest_thread_waiting"):
-            row[key] = round(row[key], 2)
-    cpus = os.cpu_count() or 1
-    return {"seconds": round(elapsed, 1), "machine_cpus": cpus,
-            "machine_busy_cores": round(cpus * (busy_after - busy_before) / max(1, total_after - total_before), 2),
-            "parts": rows}
-
-
 def cmd_cpu(options) -> int:
     """Cores per part of a busy regeneration: the workflow's (``--record``: once its server
     is ready) or a ceiling's (``--wait-for``: its client's mark of its load), ``--after-s``
@@ -549,7 +468,10 @@ def cmd_cpu(options) -> int:
         result["error"] = f"no {options.wait_for} after {options.timeout_s:.0f} s: the load never started"
     else:
         time.sleep(options.after_s)
+        profiles = pyspy_profiles.record(sglang_processes(), options.seconds, Path(options.pyspy_dir)) if options.pyspy_dir else []
         result.update(sample_cpu(options.seconds))
+        if profiles:  # where the time of each SGLang process's threads went, over the same seconds
+            result["pyspy"] = pyspy_profiles.finish(profiles)
     Path(options.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return 0 if "parts" in result else 1
@@ -668,6 +590,8 @@ def main(argv=None) -> int:
                               "regenerate stage's own client, streamed and loop-cut as the config says")
     ceiling.add_argument("--turns", choices=["all", "first"], default="all",
                          help="sample the prompts of every assistant turn (default) or of first turns only")
+    ceiling.add_argument("--stream-interval", type=int, default=None,
+                         help="--client workflow: regenerate.stream_interval for this load (default: the config's)")
     ceiling.add_argument("--server-flags", default="",
                          help="the flags the server runs with beyond the config's, recorded (--server-flags=\"--a b\")")
     ceiling.add_argument("--server-env", default="",
@@ -681,6 +605,9 @@ def main(argv=None) -> int:
     pick.add_argument("--out", required=True)
     pick.add_argument("--overlay", required=True)
     pick.add_argument("--base-concurrency", type=int, default=256, help="the requests in flight the config's own give")
+    pick.add_argument("--clients", nargs="*", default=None,
+                      help="the stage's own client's loads (ceiling --client workflow) at several --stream-interval: "
+                           "the fastest one's goes into the overlay")
     schedule = commands.add_parser("schedule", help="prefill passes, decode steps and batch sizes from a server's log")
     schedule.add_argument("--log", required=True)
     schedule.add_argument("--decode-log-interval", type=int, default=40)
@@ -717,6 +644,8 @@ def main(argv=None) -> int:
     cpu.add_argument("--after-s", type=float, default=60.0, help="seconds into the load before sampling")
     cpu.add_argument("--seconds", type=float, default=30.0, help="how long to sample")
     cpu.add_argument("--timeout-s", type=float, default=1800.0, help="for the record or the --wait-for file")
+    cpu.add_argument("--pyspy-dir", default=None,
+                     help="also py-spy every SGLang process over the same seconds: raw stacks here, a summary in the output")
     cpu.add_argument("--out", required=True)
     scrape = commands.add_parser("metrics", help="SGLang's own metrics of a busy server (--enable-metrics): radix "
                                                  "cache eviction, batch, KV use")

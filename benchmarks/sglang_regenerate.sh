@@ -42,6 +42,11 @@
 # OUTDIR/cpu-ceiling-*.json), WORKFLOW_CLIENT_CEILING (1; 0 = none: after the config's own ceiling, the
 # same prompts on the same server through the stage's own streamed client, `ceiling --client
 # workflow` -> OUTDIR/client-workflow.json and OUTDIR/cpu-client-workflow.json),
+# WORKFLOW_CLIENT_INTERVALS (e.g. "16 64": that client once per regenerate.stream_interval ->
+# OUTDIR/client-workflow-iN.json; the fastest, by kept tokens/s, goes into the overlay the
+# workflow's server and clients run with), PYSPY (1; 0 = none: py-spy on each SGLang process
+# over each CPU sample's seconds, when installed -> OUTDIR/cpu-*-pyspy/ and a summary per
+# thread in the cpu-*.json: leaf and inclusive frames),
 # SERVER_METRICS (1; 0 = none: every server here started with --enable-metrics, its radix
 # cache's evictions, batch and KV use scraped from /metrics -> OUTDIR/metrics-ceiling-*.json,
 # OUTDIR/metrics-workflow.json every METRICS_EVERY_S (20), in the summary),
@@ -116,6 +121,8 @@ split_entry() {  # entry, default requests in flight -> ENTRY_IN_FLIGHT, ENTRY_E
         if [[ "$word" =~ ^[A-Z_][A-Z0-9_]*= ]]; then ENTRY_ENV+=("$word"); else ENTRY_FLAGS+=("$word"); fi
     done
 }
+PYSPY_ON=
+[ "${PYSPY:-1}" = 1 ] && PYSPY_ON=1
 if [ "${DRY_RUN:-0}" = 1 ]; then  # what would run: the plain server's command and the workflow's jobs
     echo "ceiling server: ${PLAIN[*]}" | tee -a "$OUT/steps.log"
     [ ${#CONFIG_ENV[@]} = 0 ] || echo "ceiling server environment: ${CONFIG_ENV[*]}" | tee -a "$OUT/steps.log"
@@ -140,15 +147,17 @@ IN_FLIGHT="${CEILING_CONCURRENCY:-$CONFIG_IN_FLIGHT}"
 # environment words, its load-start mark, its output name; then the server's extra flags.
 ceiling_load() {
     local client="$1" in_flight="$2" env_words="$3" load_started="$4" name="$5"; shift 5
-    "$PY" benchmarks/sglang_regenerate.py ceiling --client "$client" --url http://127.0.0.1:30030 \
+    "$PY" benchmarks/sglang_regenerate.py ceiling --client "$client" ${STREAM_INTERVAL:+--stream-interval "$STREAM_INTERVAL"} \
+        --url http://127.0.0.1:30030 \
         --conversations "results/$RUN/data/conversations.jsonl" --model-path "$MODEL" --config "${CONFIGS[@]}" \
         --prompts "${CEILING_PROMPTS:-2048}" --turns "${CEILING_TURNS:-all}" --concurrency "$in_flight" --server-flags="$*" \
         --server-env="$env_words" --load-started "$load_started" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
 }
-# The cores each process keeps busy during a ceiling's load: its load-start mark, the output.
+# The cores each process keeps busy during a ceiling's load (and, with PYSPY=1, py-spy on each
+# SGLang process over the same seconds): its load-start mark, the output.
 ceiling_cpu() {
     "$PY" benchmarks/sglang_regenerate.py cpu --wait-for "$1" --after-s "${CEILING_CPU_AFTER_S:-8}" \
-        --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 --out "$2" > /dev/null 2>&1
+        --seconds "${CEILING_CPU_S:-10}" --timeout-s 900 ${PYSPY_ON:+--pyspy-dir "${2%.json}-pyspy"} --out "$2" > /dev/null 2>&1
 }
 # One plain server per flag set (the config's flags, then each CEILING_SWEEP entry on top).
 measure_ceiling() {  # label, requests in flight, environment words (one string), extra flags...
@@ -158,6 +167,11 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
     settings="${settings:-the config flags}"
     local load_started="$OUT/ceiling-$label.load-started"  # written by the client as its load starts
     rm -f "$load_started"
+    # Another server on the port would answer for this one (a leftover of an earlier run).
+    if "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30030/health', timeout=2)" 2> /dev/null; then
+        log "port 30030 is taken by a server already running: no ceiling for $label ($settings)"
+        return 1
+    fi
     # env: the environment for this server alone (the config's, then the entry's over it).
     env "${CONFIG_ENV[@]}" "${env_words[@]}" "${PLAIN[@]}" "$@" > "$OUT/ceiling-server-$label.log" 2>&1 &
     local plain=$!
@@ -200,16 +214,27 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         kill "$profiler" 2>/dev/null; wait "$profiler" 2>/dev/null
         log "profile $label: $(tr -d '\n' < "$OUT/profile-ceiling-$label.json" 2>/dev/null | cut -c1-300)"
     fi
-    [ -z "$sampler" ] || { wait "$sampler" 2>/dev/null; log "cpu $label: $(tr -d '\n' < "$OUT/cpu-ceiling-$label.json" 2>/dev/null | cut -c1-400)"; }
+    if [ -n "$sampler" ]; then  # a load that failed before it started leaves the sampler nothing to wait for
+        [ -e "$load_started" ] || kill "$sampler" 2>/dev/null
+        wait "$sampler" 2>/dev/null
+        log "cpu $label: $(tr -d '\n' < "$OUT/cpu-ceiling-$label.json" 2>/dev/null | cut -c1-400)"
+    fi
     if [ "$label" = 0 ] && [ "${WORKFLOW_CLIENT_CEILING:-1}" = 1 ]; then
         # The same prompts on the same server through the stage's own client (streamed, loop-cut):
-        # what the client path costs, apart from the workflow's shards and turn order.
-        local client_started="$OUT/client-workflow.load-started"
-        ceiling_cpu "$client_started" "$OUT/cpu-client-workflow.json" &
-        local client_sampler=$!
-        ceiling_load workflow "$in_flight" "${env_words[*]}" "$client_started" client-workflow "$@"
-        log "workflow client on the plain server rc=$? $(tr -d '\n' < "$OUT/client-workflow.json" 2>/dev/null | cut -c1-200)"
-        wait "$client_sampler" 2>/dev/null
+        # what the client path costs, apart from the workflow's shards and turn order; once per
+        # WORKFLOW_CLIENT_INTERVALS entry (regenerate.stream_interval; "config" = the config's).
+        local interval name
+        for interval in ${WORKFLOW_CLIENT_INTERVALS:-config}; do
+            name=client-workflow
+            [ "$interval" = config ] || name="client-workflow-i$interval"
+            local client_started="$OUT/$name.load-started"
+            ceiling_cpu "$client_started" "$OUT/cpu-$name.json" &
+            local client_sampler=$!
+            STREAM_INTERVAL="${interval#config}" ceiling_load workflow "$in_flight" "${env_words[*]}" "$client_started" "$name" "$@"
+            log "workflow client ($name) on the plain server rc=$? $(tr -d '\n' < "$OUT/$name.json" 2>/dev/null | cut -c1-200)"
+            [ -e "$client_started" ] || kill "$client_sampler" 2>/dev/null
+            wait "$client_sampler" 2>/dev/null
+        done
     fi
     kill $plain 2>/dev/null; sleep 3; pkill -9 -f "port 30030" 2>/dev/null; wait $plain 2>/dev/null
     # The server's own account of its scheduling, read once it has stopped writing its log.
@@ -226,7 +251,8 @@ if [ "${CEILING_PROMPTS:-2048}" != 0 ]; then
     done
     # The fastest is the run's ceiling, and its flags and environment the workflow server's (an overlay).
     "$PY" benchmarks/sglang_regenerate.py pick --ceilings "$OUT"/ceiling-[0-9]*.json --config "${CONFIGS[@]}" \
-        --base-concurrency "$IN_FLIGHT" --out "$OUT/ceiling.json" --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
+        --base-concurrency "$IN_FLIGHT" --clients "$OUT"/client-workflow*.json --out "$OUT/ceiling.json" \
+        --overlay "$OUT/server-flags.yaml" | tee -a "$OUT/steps.log"
     [ -e "$OUT/server-flags.yaml" ] && CONFIGS+=("$OUT/server-flags.yaml")
 fi
 
@@ -266,7 +292,8 @@ sampler=
 if [ "${CPU_SAMPLE_S:-60}" != 0 ]; then  # after the profile, which slows the server while it records
     "$PY" benchmarks/sglang_regenerate.py cpu --record "$RECORD" \
         --after-s "${CPU_SAMPLE_AFTER_S:-$(( ${WORKFLOW_PROFILE_AFTER_S:-90} + 30 ))}" \
-        --seconds "${CPU_SAMPLE_S:-60}" --out "$OUT/cpu-workflow.json" > /dev/null 2>&1 &
+        --seconds "${CPU_SAMPLE_S:-60}" ${PYSPY_ON:+--pyspy-dir "$OUT/cpu-workflow-pyspy"} --out "$OUT/cpu-workflow.json" \
+        > /dev/null 2>&1 &
     sampler=$!
 fi
 [ -n "${REGENERATE_TIMEOUT_S:-}" ] && LIMIT=(timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S")

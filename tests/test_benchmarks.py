@@ -301,6 +301,7 @@ def test_sglang_engine_pieces_that_need_no_server_run_on_cpu(tmp_path, tiny_llam
     """benchmarks/sglang_engine.py without SGLang: the random target, the shard subset, the
     disk ceiling, the shard comparison and the summary against the tighter ceiling."""
     sys.path.insert(0, str(REPO / "benchmarks"))
+    import pyspy_profiles
     import sglang_engine
     import torch
 
@@ -350,11 +351,12 @@ def test_sglang_engine_pieces_that_need_no_server_run_on_cpu(tmp_path, tiny_llam
                    "thread (0x1) main;event_loop (s.py:1);synchronize (u.py:3) 60\n"
                    "thread (0x1) main;event_loop (s.py:1);forward (m.py:2) 10\n"
                    "thread (0x2) spool;_write (spool.py:9) 100\nnot a stack line\n")
-    profile = sglang_engine.summarize_profile(raw)
+    profile = pyspy_profiles.summarize(raw)
     assert profile["samples"] == 200
     main, spool = profile["threads"]
     assert main == {"thread": "thread (0x1) main", "share": 0.5,
-                    "top": [["synchronize (u.py:3)", 0.6], ["forward (m.py:2)", 0.4]]}
+                    "top": [["synchronize (u.py:3)", 0.6], ["forward (m.py:2)", 0.4]],
+                    "inclusive": [["event_loop (s.py:1)", 1.0], ["synchronize (u.py:3)", 0.6], ["forward (m.py:2)", 0.4]]}
     assert spool["top"] == [["_write (spool.py:9)", 1.0]]
 
 

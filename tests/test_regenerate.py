@@ -365,23 +365,25 @@ def test_a_streamed_answer_is_aborted_at_its_first_loop_and_kept_as_the_full_ans
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("stream", [False, True, "incremental"])
+@pytest.mark.parametrize("stream", [False, True, "incremental", "own-interval"])
 def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_generated(conversations, tmp_path,
                                                                                        tiny_llama, chat_server, stream):
     """regenerate.api generate: the client sends each prompt's ids to SGLang's /generate (no
     rendering or tokenizing in the server), stopped at the template's end of turn, and checks
     the ids it gets back for loops, streamed (aborting at the first loop) or whole. Streamed
     chunks carry every id so far (SGLang's default) or only their new ones
-    (--incremental-streaming-output). The shard is the transformers backend's, which generates
-    from the same ids with the same model."""
+    (--incremental-streaming-output), every --stream-interval tokens or every
+    regenerate.stream_interval, asked per request. The shard is the transformers backend's,
+    which generates from the same ids with the same model."""
     incremental = ["--incremental-streaming-output"] if stream == "incremental" else []
     url = chat_server("--mode", "serve", "--stream-interval", "2", "--stream-token-delay-s", "0.01", *incremental)
+    own_interval = {"stream_interval": 5} if stream == "own-interval" else {}
     stream = bool(stream)
     greedy = dict(temperature=0.0, max_new_tokens=48, max_len=2048, repetition_stop=3)
     reference, in_process = run_shard(conversations, tmp_path, tiny_llama, name="reference", batch_rows=1, **greedy)
     stats_before = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
     served, report = run_shard(conversations, tmp_path, tiny_llama, name="served", backend="openai", url=url, api="generate",
-                               concurrency=2, stream=stream, **greedy)
+                               concurrency=2, stream=stream, **own_interval, **greedy)
     stats = json.loads(urllib.request.urlopen(url + "/standin/stats").read())
     assert_accounted(report)
     assert served == reference
@@ -400,6 +402,12 @@ def test_the_generate_api_sends_token_ids_and_cuts_loops_on_the_ids_the_server_g
     if stream:
         assert 0 < client["mean_first_chunk_s"] < client["mean_request_s"]
     aborted = set(stats["aborted"]) - set(stats_before["aborted"])
+    chunks = stats["chunks"] - stats_before["chunks"]
+    streamed_tokens = stats["streamed_tokens"] - stats_before["streamed_tokens"]
+    if own_interval:  # a chunk every 5 tokens, not the server's 2 (the last one of an answer may be short)
+        assert streamed_tokens / 5 <= chunks <= streamed_tokens / 5 + client["requests"] < streamed_tokens / 2
+    elif stream:
+        assert chunks >= streamed_tokens / 2
     if stream:  # every loop ended in the server as it was seen, before the answer's end
         assert len(aborted) == report["stopped_by_repetition"]
         assert report["generated_tokens"] < 48 * report["stopped_by_repetition"] + (report["new_tokens"] - 1)
@@ -712,20 +720,21 @@ def test_a_servers_log_tells_its_prefill_passes_and_decode_steps(tmp_path):
 
 
 def test_the_cpu_sampler_names_the_parts_of_a_regeneration_and_their_busiest_threads():
-    """benchmarks/sglang_regenerate.py cpu: real busy processes, one titled as SGLang titles its
-    scheduler and one with a regenerate job's command line, each found with the cores it used."""
+    """benchmarks/sglang_regenerate.py cpu (benchmarks/process_cpu.py): real busy processes, one
+    titled as SGLang titles its scheduler and one with a regenerate job's command line, each
+    found with the cores it used."""
     import subprocess
     import sys
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import sglang_regenerate
+    import process_cpu
 
     spin = "import time\nend = time.time() + 4\nwhile time.time() < end: pass"
     busy = [subprocess.Popen(["bash", "-c", f'exec -a sglang::scheduler_TP0 {sys.executable} -c "$0"', spin]),
             subprocess.Popen([sys.executable, "-c", spin, "/work/.snakemake/scripts/tmpx.regenerate.py"])]
     try:
         time.sleep(0.5)
-        sampled = sglang_regenerate.sample_cpu(1.5)
+        sampled = process_cpu.sample_cpu(1.5)
     finally:
         for process in busy:
             process.kill()
@@ -741,12 +750,44 @@ def test_the_cpu_sampler_names_the_parts_of_a_regeneration_and_their_busiest_thr
     titled = subprocess.Popen(["bash", "-c", f'exec -a sglang::scheduler_TP0 {sys.executable} -c "$0"', spin])
     try:
         time.sleep(0.5)
-        crowded = {part["role"]: part for part in sglang_regenerate.sample_cpu(1.5)["parts"]}
+        crowded = {part["role"]: part for part in process_cpu.sample_cpu(1.5)["parts"]}
     finally:
         for process in [*crowd, titled]:
             process.kill()
             process.wait()
     assert crowded["sglang::scheduler"]["busiest_thread_waiting"] > 0.3, crowded
+
+
+@pytest.mark.integration
+def test_the_cpu_sampler_profiles_each_sglang_process_with_py_spy(tmp_path):
+    """benchmarks/sglang_regenerate.py cpu --pyspy-dir: py-spy on a real busy process titled as
+    SGLang titles its scheduler, over the sampled seconds; its summary says which function of
+    which thread held the time, leaf and inclusive."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import sglang_regenerate
+
+    spin = "import time\ndef steps():\n    end = time.time() + 6\n    while time.time() < end: pass\nsteps()"
+    busy = subprocess.Popen(["bash", "-c", f'exec -a sglang::scheduler_TP0 {sys.executable} -c "$0"', spin])
+    ready = tmp_path / "load-started"
+    ready.write_text("now\n")
+    try:
+        time.sleep(0.5)
+        assert sglang_regenerate.main(["cpu", "--wait-for", str(ready), "--after-s", "0", "--seconds", "2",
+                                       "--pyspy-dir", str(tmp_path / "pyspy"), "--out", str(tmp_path / "cpu.json")]) == 0
+    finally:
+        busy.kill()
+        busy.wait()
+    result = json.loads((tmp_path / "cpu.json").read_text())
+    scheduler = result["pyspy"]["sglang::scheduler"]
+    assert scheduler["samples"] > 50 and (tmp_path / "pyspy" / "sglang-scheduler.txt").exists()
+    main = scheduler["threads"][0]
+    assert main["top"][0][0].startswith("steps (<string>:4)") and main["top"][0][1] > 0.9
+    # Inclusive: the function and its caller each hold (nearly) every sample.
+    inclusive = {frame.split(" (")[0]: share for frame, share in main["inclusive"]}
+    assert inclusive["steps"] > 0.9 and inclusive["<module>"] >= inclusive["steps"]
 
 
 class CountingChatServer:
@@ -873,6 +914,20 @@ def test_the_picked_ceilings_environment_goes_into_the_overlay(tmp_path, capsys)
     assert overlay["extract"]["sglang"] == {"extra_args": ["--enable-prefill-delayer"], "env": env}
     config = load_config(REPO, [str(DEFAULT_CONFIG), str(overlay_path)])
     assert config["extract"]["sglang"]["extra_args"] == ["--enable-prefill-delayer"] and config["extract"]["sglang"]["env"] == env
+    assert "regenerate" not in overlay  # no client loads: the config's stream interval stays
+    # The stage's own client at two stream intervals on the same server: the faster's goes in.
+    clients = []
+    for interval, kept in ((16, 900.0), (64, 1000.0)):
+        clients.append(tmp_path / f"client-workflow-i{interval}.json")
+        clients[-1].write_text(json.dumps({"client": "workflow", "streamed": True, "stream_interval": interval,
+                                           "tokens_per_s": kept + 10, "kept_tokens_per_s": kept}))
+    assert sglang_regenerate.main(["pick", "--ceilings", *map(str, paths), "--config", str(DEFAULT_CONFIG),
+                                   "--base-concurrency", "192", "--clients", *map(str, clients), "--out", str(out),
+                                   "--overlay", str(overlay_path)]) == 0
+    assert yaml.safe_load(overlay_path.read_text())["regenerate"] == {"stream_interval": 64}
+    assert load_config(REPO, [str(DEFAULT_CONFIG), str(overlay_path)])["regenerate"]["stream_interval"] == 64
+    assert [c["stream_interval"] for c in json.loads(out.read_text())["workflow_clients"]] == [16, 64]
+    assert sglang_regenerate.pick_stream_interval([json.loads(clients[0].read_text())]) is None  # one interval: no choice
 
 
 def test_the_loop_stop_cost_benchmark_times_checks_that_find_the_loops_the_cut_finds(tmp_path):

@@ -458,7 +458,7 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
         repo, tiny_llama, conversations, run="tiny-regenerate-driver",
         data={"max_conversations": 16, "samples_per_shard": 8},
         regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95, "max_new_tokens": 6,
-                    "concurrency": 2},
+                    "concurrency": 2, "api": "generate", "stream": True, "repetition_stop": 3},
         # The stand-in answers each request of the config's flags 0.3 s late, so the sweep's entry
         # (which takes the delay away) is the faster, whatever else the machine is doing.
         extract={"sglang": {"extra_args": ["--mem-fraction-static", "0.5", "--delay-s", "0.3"]}},
@@ -470,7 +470,7 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     environment = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(repo), "CORES": "2", "CEILING_PROMPTS": "8",
                    "CEILING_CONCURRENCY": "2", "PART_MIB": "1", "CEILING_PROFILE_AFTER_S": "0",
                    "CEILING_CPU_AFTER_S": "0", "CEILING_CPU_S": "0.3", "CPU_SAMPLE_AFTER_S": "0", "CPU_SAMPLE_S": "1",
-                   "METRICS_EVERY_S": "0.5",
+                   "METRICS_EVERY_S": "0.5", "WORKFLOW_CLIENT_INTERVALS": "2 5",
                    "CEILING_SWEEP": "SGLANG_SCHEDULER_RECV_SKIPPER_WEIGHT_DEFAULT=1 --enable-prefill-delayer "
                                     "--scheduler-recv-interval 16 --delay-s 0@4"}
     result = subprocess.run(["bash", str(repo / "benchmarks" / "sglang_regenerate.sh"), str(out), str(configfile)],
@@ -522,10 +522,16 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     assert summary["server_metrics"]["last"] == scraped["series"][-1]
     # The clients' account beside the server's: what they kept in flight over the run.
     assert summary["client"]["shards"] == 2 and 0 < summary["client"]["mean_in_flight"] <= 4, summary["client"]
-    # The stage's own client on the config's plain server, beside its ceiling and out of the pick.
-    client = json.loads((out / "client-workflow.json").read_text())
-    assert (client["client"], client["prompts"], sum(client["finish_reasons"].values())) == ("workflow", 8, 8)
-    assert client["generated_tokens"] > 0 and "failed" not in client["finish_reasons"]
+    # The stage's own client on the config's plain server, beside its ceiling and out of the
+    # flags' pick, once per stream interval; the one that kept the most tokens a second sets the
+    # workflow's regenerate.stream_interval.
+    clients = {interval: json.loads((out / f"client-workflow-i{interval}.json").read_text()) for interval in (2, 5)}
+    for interval, client in clients.items():
+        assert (client["client"], client["prompts"], sum(client["finish_reasons"].values())) == ("workflow", 8, 8)
+        assert client["generated_tokens"] > 0 and "failed" not in client["finish_reasons"]
+        assert client["streamed"] and client["stream_interval"] == interval
+    fastest = max(clients, key=lambda interval: clients[interval]["kept_tokens_per_s"])
+    assert overlay["regenerate"]["stream_interval"] == fastest
     # The packed folder holds the shards and their reports (a rerun's inputs).
     listing = subprocess.run(f"cat {out}/regenerated.tar.xz.part-* | tar -tJf -", shell=True, capture_output=True, text=True,
                              check=True).stdout.split()

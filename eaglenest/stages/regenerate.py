@@ -79,6 +79,7 @@ class Settings:
     concurrency: int
     api: str
     stream: bool
+    stream_interval: int | None
     timeout_s: float
     backoff_s: float
     threads: int
@@ -357,9 +358,11 @@ class OpenAIBackend:
     def _body(self, messages: list[dict], seed: int, streamed: bool) -> dict:
         s = self.settings
         if s.api == "generate":  # SGLang's GenerateReqInput and SamplingParams
-            return {"input_ids": self.prompt_ids(messages), "stream": streamed,
-                    "sampling_params": {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
-                                        "stop_token_ids": self.stop_ids, "sampling_seed": seed}}
+            sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
+                        "stop_token_ids": self.stop_ids, "sampling_seed": seed}
+            if streamed and s.stream_interval:  # over the server's --stream-interval, for this request
+                sampling["stream_interval"] = s.stream_interval
+            return {"input_ids": self.prompt_ids(messages), "stream": streamed, "sampling_params": sampling}
         body = {"model": self.model_name, "messages": messages, "temperature": s.temperature, "top_p": s.top_p,
                 "max_tokens": s.max_new_tokens, "seed": seed}
         if streamed:

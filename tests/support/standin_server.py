@@ -22,7 +22,8 @@ A chat request with ``"stream": true`` is answered as SGLang streams it (server-
 with its ``rid`` stops the stream at the next chunk; ``GET /standin/stats`` lists the aborted
 request ids and the tokens streamed in all.
 
-Serving (``--mode serve``), a ``POST /generate`` that streams or samples is regeneration
+Serving (``--mode serve``, or in any mode without ``return_hidden_states``, as a plain SGLang
+answers it), a ``POST /generate`` that streams or samples is regeneration
 (``regenerate.api: generate``): token ids in, the answer's output ids out, sampled with
 transformers and ended at ``stop_token_ids``, whole or streamed as SGLang streams /generate
 (each event holds the output ids so far), aborted like a chat stream. Any other ``POST
@@ -159,7 +160,8 @@ def make_handler(options, state: dict):
                 return self._send(200, {"model_path": str(options.model), "is_generation": True})
             if self.path == "/standin/stats":
                 with state["lock"]:
-                    return self._send(200, {"aborted": sorted(state["aborted"]), "streamed_tokens": state["streamed_tokens"]})
+                    return self._send(200, {"aborted": sorted(state["aborted"]), "streamed_tokens": state["streamed_tokens"],
+                                            "chunks": state["chunks"]})
             if options.impersonate is None and self.path == sglang_patch.INFO_ROUTE:
                 return self._send(200, sglang_patch.server_info(state["model"].settings, "stand-in"))
             if options.enable_metrics and self.path == "/metrics":
@@ -203,10 +205,11 @@ def make_handler(options, state: dict):
                 os._exit(3)  # a crash: no answer, no cleanup, the port closes
             if options.delay_s:
                 time.sleep(options.delay_s)
-            if state["model"].settings["mode"] == "serve":
-                sampling = request.get("sampling_params") or {}
-                if request.get("stream") or float(sampling.get("temperature", 1.0)) != 0:
-                    return self._generate_answer(request)  # regeneration (api: generate)
+            sampling = request.get("sampling_params") or {}
+            regeneration = request.get("stream") or float(sampling.get("temperature", 1.0)) != 0
+            if state["model"].settings["mode"] == "serve" or (regeneration and not request.get("return_hidden_states")):
+                if regeneration:  # (api: generate), also from a server the launcher did not patch, as a plain SGLang
+                    return self._generate_answer(request)
                 return self._generate(request)
             input_ids, rids = request.get("input_ids"), request.get("rid")
             batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
@@ -266,7 +269,8 @@ def make_handler(options, state: dict):
 
             self._stream_tokens(request.get("rid"), ids, piece=piece,
                                 ending=lambda sent, aborted: [{"text": None, "output_ids": [] if incremental else ids[:sent],
-                                                               "meta_info": meta(sent, {"type": "abort"} if aborted else reason)}])
+                                                               "meta_info": meta(sent, {"type": "abort"} if aborted else reason)}],
+                                interval=sampling.get("stream_interval"))
 
         def _answer_with_generator(self, generate, temperature, top_p, max_new_tokens, stop_ids=None):
             with state["generate_lock"]:  # one generate at a time on the one model
@@ -361,10 +365,12 @@ def make_handler(options, state: dict):
 
             self._stream_tokens(request.get("rid"), ids, piece, ending)
 
-        def _stream_tokens(self, rid, ids, piece, ending):
-            """Server-sent events over ``ids``: ``piece(end)`` per ``--stream-interval`` tokens
-            (None: nothing to send yet), ``ending(tokens sent, aborted)``'s events, ``[DONE]``;
-            a request aborted (``/abort_request`` with its ``rid``) ends at the next piece."""
+        def _stream_tokens(self, rid, ids, piece, ending, interval=None):
+            """Server-sent events over ``ids``: ``piece(end)`` per ``interval`` tokens (the
+            request's own, else ``--stream-interval``; None: nothing to send yet),
+            ``ending(tokens sent, aborted)``'s events, ``[DONE]``; a request aborted
+            (``/abort_request`` with its ``rid``) ends at the next piece."""
+            interval = int(interval or options.stream_interval)
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
@@ -377,7 +383,7 @@ def make_handler(options, state: dict):
                 self.wfile.flush()
 
             try:
-                for end in range(options.stream_interval, len(ids) + options.stream_interval, options.stream_interval):
+                for end in range(interval, len(ids) + interval, interval):
                     end = min(end, len(ids))
                     time.sleep(options.stream_token_delay_s * (end - sent_tokens))
                     with state["lock"]:
@@ -387,6 +393,8 @@ def make_handler(options, state: dict):
                     if aborted:
                         break
                     sent_tokens = end
+                    with state["lock"]:
+                        state["chunks"] += 1
                     payload = piece(end)
                     if payload is not None:
                         event(payload)
@@ -408,7 +416,7 @@ def chat_generator(options):
 
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
-             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0, "running": 0}
+             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0, "chunks": 0, "running": 0}
     if options.speculative_algorithm not in (None, "EAGLE3"):
         raise SystemExit(f"the stand-in speculates with EAGLE3 only, not {options.speculative_algorithm}")
     drafting = None
