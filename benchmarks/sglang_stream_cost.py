@@ -18,9 +18,9 @@ step's payload sent over a real ZMQ IPC socket to a process that drains it. It t
 
 What it leaves out: the rest of ``process_batch_result`` (the same in every variant), the
 detokenizer and the HTTP process (separate processes; each also handles every row sent), the
-tokens a loop costs the server while its abort is on the way (``--loop-waste`` estimates them
-from the run's counts: a loop is seen at the first chunk after it, half an interval late on
-average). The times are this machine's; the rows per step are not.
+tokens a loop costs the server while its abort is on the way (the table's loop column
+estimates them from the run's counts: a loop is seen at the first chunk after it, half an
+interval late on average). The times are this machine's; the rows per step are not.
 
 Run where SGLang imports (the node's environment; on a CPU-only machine SGLang's source with its
 Python dependencies on ``PYTHONPATH`` and ``--stub-torchvision``, as for
@@ -99,8 +99,15 @@ def measure(batch: int, steps: int, warmup: int, stream: bool, interval: int, ad
     server_args = ServerArgs.__new__(ServerArgs)  # only the two fields the streamer reads
     server_args.stream_interval = interval
     server_args.enable_request_time_stats_logging = False
+    class CountingSender(SenderWrapper):  # the rows SGLang put in each step's payload
+        rows = 0
+
+        def send_output(self, output, recv_obj=None):
+            CountingSender.rows += len(output.rids)
+            super().send_output(output, recv_obj)
+
     streamer = SchedulerOutputStreamer(
-        send_to_detokenizer=SenderWrapper(socket), tree_cache=None, ps=Ranks(), server_args=server_args,
+        send_to_detokenizer=CountingSender(socket), tree_cache=None, ps=Ranks(), server_args=server_args,
         is_generation=True, spec_algorithm=SpeculativeAlgorithm.NONE, disaggregation_mode=DisaggregationMode.NULL,
         enable_hicache_storage=lambda: False)
     made = 0
@@ -118,8 +125,10 @@ def measure(batch: int, steps: int, warmup: int, stream: bool, interval: int, ad
 
     # Requests at every stage of their answers, as in a full batch that has run a while.
     running = [new_request(rng.randrange(MAX_NEW_TOKENS)) for _ in range(batch)]
-    rows = seconds = 0.0
+    seconds = 0.0
     for step in range(warmup + steps):
+        if step == warmup:
+            CountingSender.rows = 0
         for req in running:
             req.output_ids.append(rng.randrange(49_152))
             if len(req.output_ids) >= req.target_length:
@@ -130,21 +139,11 @@ def measure(batch: int, steps: int, warmup: int, stream: bool, interval: int, ad
         took = time.perf_counter() - started
         if step >= warmup:
             seconds += took
-            rows += sum(1 for req in running if req.finished()) + sum(
-                1 for req in running if not req.finished() and _sent_this_step(req, stream, interval))
         running = [req if not req.finished() else new_request() for req in running]
     socket.close(linger=1000)
     context.term()
     return {"stream": stream, "interval": interval if stream else 50, "batch": batch, "steps": steps,
-            "ms_per_step": round(seconds / steps * 1e3, 3), "rows_per_step": round(rows / steps, 1)}
-
-
-def _sent_this_step(req, stream: bool, interval: int) -> bool:
-    """Whether the streamer sent this unfinished request this step (its rule, for the count)."""
-    length = len(req.output_ids)
-    if not stream:
-        return length % 50 == 0
-    return length % interval == 1 if interval > 1 else True
+            "ms_per_step": round(seconds / steps * 1e3, 3), "rows_per_step": round(CountingSender.rows / steps, 1)}
 
 
 def loop_waste(interval: int) -> float:
