@@ -13,6 +13,7 @@ as a binary in the install's ``bin/``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def record(processes: dict[str, int], seconds: float, out_dir: Path, rate: int =
     out_dir.mkdir(parents=True, exist_ok=True)
     running = []
     for role, pid in processes.items():
-        path = out_dir / (role.replace("::", "-").replace(" ", "-").replace("/", "-") + ".txt")
+        path = out_dir / (re.sub(r"[^A-Za-z0-9._-]+", "-", role) + ".txt")  # e.g. sglang-scheduler.txt
         command = [spy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
                    "--format", "raw", "--threads", "--idle", "--nonblocking", "--output", str(path)]
         running.append((role, path, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
