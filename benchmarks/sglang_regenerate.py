@@ -553,6 +553,9 @@ def regenerate_summary(workdir: Path, run: str, ceiling: dict | None, ready: flo
     return result
 
 
+GC_SKIP_S = 60  # the server's first minute (warm-up, the clients' ramp) left out of the collector's share
+
+
 def cmd_summary(options) -> int:
     ceiling = json.loads(Path(options.ceiling).read_text()) if options.ceiling and Path(options.ceiling).exists() else None
     ready = float(Path(options.ready).read_text()) if options.ready and Path(options.ready).exists() else None
@@ -561,6 +564,13 @@ def cmd_summary(options) -> int:
                       if options.metrics and Path(options.metrics).exists() else None)
     result = regenerate_summary(Path(options.workdir), options.run, ceiling, ready,
                                 Path(options.server_log) if options.server_log else None, cpu, server_metrics)
+    if options.gc_dir and Path(options.gc_dir).is_dir():  # the collector's share, once the load is under way
+        from eaglenest.sglang import gc_stats
+
+        result["gc"] = gc_stats.summarize(options.gc_dir, since=ready + GC_SKIP_S if ready else None)
+        for row in result["gc"]:
+            print(f"gc {row['role']}: {100 * row['gc_fraction']:.2f} % of {row['window_s']} s, "
+                  f"collections/s {row['collections_per_s']}, gen-2 mean {row['gen2_mean_ms']} ms", file=sys.stderr)
     Path(options.out).write_text(json.dumps({"regenerate": result}, indent=1) + "\n")
     print("| conversations | turns | regenerated | stopped by repetition | failed | generated tok/s | kept tok/s "
           "| ceiling tok/s | ratio | clients' requests in flight | server's batch |")
@@ -621,6 +631,8 @@ def main(argv=None) -> int:
     summary.add_argument("--server-log", default=None, help="the workflow's server log (see schedule)")
     summary.add_argument("--cpu", default=None, help="what cpu sampled during the workflow's run")
     summary.add_argument("--metrics", default=None, help="what metrics scraped during the workflow's run")
+    summary.add_argument("--gc-dir", default=None,
+                         help="where the workflow's server wrote its collector's time (EAGLENEST_GC_STATS)")
     summary.add_argument("--out", required=True)
     watch = commands.add_parser("watch", help="write when the workflow's regeneration server is ready")
     watch.add_argument("--record", required=True, help="its service record (results/<run>/sglang/regenerate.json)")

@@ -47,6 +47,8 @@
 # workflow's server and clients run with), PYSPY (1; 0 = none: py-spy on each SGLang process
 # over each CPU sample's seconds, when installed -> OUTDIR/cpu-*-pyspy/ and a summary per
 # thread in the cpu-*.json: leaf and inclusive frames),
+# GC_STATS (1; 0 = none: each process of the workflow's server writes the time its garbage
+# collections took, eaglenest/sglang/gc_stats.py -> OUTDIR/gc/, the share per process in the summary),
 # SERVER_METRICS (1; 0 = none: every server here started with --enable-metrics, its radix
 # cache's evictions, batch and KV use scraped from /metrics -> OUTDIR/metrics-ceiling-*.json,
 # OUTDIR/metrics-workflow.json every METRICS_EVERY_S (20), in the summary),
@@ -297,15 +299,18 @@ if [ "${CPU_SAMPLE_S:-60}" != 0 ]; then  # after the profile, which slows the se
     sampler=$!
 fi
 [ -n "${REGENERATE_TIMEOUT_S:-}" ] && LIMIT=(timeout --signal=TERM --kill-after=30 "$REGENERATE_TIMEOUT_S")
+# Every process of the workflow's server counts its garbage collections (eaglenest/sglang/gc_stats.py).
+[ "${GC_STATS:-1}" != 0 ] && export EAGLENEST_GC_STATS="$OUT/gc"
 snakemake_run "${UNTIL[@]}" > "$OUT/regenerate.log" 2>&1
 rc=$?
+unset EAGLENEST_GC_STATS
 log "regenerate rc=$rc"
 kill $watcher $profiler $sampler 2>/dev/null
 [ -z "${scraper:-}" ] || wait "$scraper" 2>/dev/null  # it ends as the server stops
 cp -r "logs/$RUN/sglang/regenerate" "$OUT/server-logs" 2>/dev/null
 "$PY" benchmarks/sglang_regenerate.py summary --workdir . --run "$RUN" --ceiling "$OUT/ceiling.json" \
     --ready "$OUT/server_ready.txt" --server-log "$OUT/server-logs/server.log" --cpu "$OUT/cpu-workflow.json" \
-    --metrics "$OUT/metrics-workflow.json" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
+    --metrics "$OUT/metrics-workflow.json" --gc-dir "$OUT/gc" --out "$OUT/sglang_regenerate.json" | tee "$OUT/table.md"
 # The run's regenerated folder (shards and reports; the input of a drafter trained on the
 # target's own answers) beside the results, in parts of at most PART_MIB MiB, for nodes whose
 # results leave through channels that cap file sizes. At a checkout's root:

@@ -451,5 +451,8 @@ def register() -> None:
     settings = settings_from_env()
     if settings is None:
         return
+    from eaglenest.sglang import gc_stats
+
+    gc_stats.start_from_env()  # only where EAGLENEST_GC_STATS names a folder
     # The HTTP server lives in the launching process; schedulers are spawned children.
     apply(settings, in_http_process=multiprocessing.parent_process() is None)
