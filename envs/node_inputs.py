@@ -136,7 +136,8 @@ def unpack(folder: Path, into: Path) -> list[str]:
     reader = io.BufferedReader(PartReader([folder / part["file"] for part in manifest["parts"]]))
     with tempfile.TemporaryDirectory(dir=into, prefix=".node-inputs-") as staging:
         with lzma.open(reader, "rb") as compressed, tarfile.open(fileobj=compressed, mode="r|") as tar:
-            tar.extractall(staging, filter="data")
+            # the "data" filter refuses links out of the folder and absolute names (Python >= 3.11.4)
+            tar.extractall(staging, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         for path in manifest["paths"]:
             target = into / path
             target.parent.mkdir(parents=True, exist_ok=True)
