@@ -76,6 +76,8 @@ def pack(paths: list[str], out: Path, part_mib: float) -> dict:
         if Path(path).is_absolute() or ".." in Path(path).parts or not Path(path).exists():
             raise SystemExit(f"{path}: give an existing path relative to the checkout")
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier pack's manifest goes first: a pack that dies midway leaves parts without one
+    (out / "manifest.json").unlink(missing_ok=True)
     for stale in out.glob(f"{PART_PREFIX}*"):
         stale.unlink()
     writer = PartWriter(out, max(1, int(part_mib * (1 << 20))))
