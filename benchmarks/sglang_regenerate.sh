@@ -104,6 +104,8 @@ print("PLAIN=(" + " ".join(shlex.quote(part) for part in command) + ")")
 # The config's own server environment (extract.sglang.env): every plain server's.
 env = config["extract"]["sglang"].get("env") or {}
 print("CONFIG_ENV=(" + " ".join(shlex.quote(f"{name}={value}") for name, value in env.items()) + ")")
+# The launcher freezes its server's garbage collector once it is ready (extract.sglang.freeze_gc): so does every plain server.
+print(f"FREEZE_GC={int(launch.sglang_settings(config)['freeze_gc'])}")
 PYTHON
 )" || { log "config unreadable"; exit 1; }
 # SGLang's own metrics (radix cache evictions, batch, KV use) from every server it starts here.
@@ -190,6 +192,10 @@ measure_ceiling() {  # label, requests in flight, environment words (one string)
         return 1
     fi
     log "plain server up ($label: $settings)"
+    if [ "$FREEZE_GC" = 1 ]; then
+        "$PY" -c "import sys; from eaglenest.sglang import launch; sys.exit(0 if launch.freeze_gc('http://127.0.0.1:30030') else 1)" \
+            && log "plain server $label: garbage collector frozen" || log "plain server $label: not frozen"
+    fi
     if [ "${SERVER_METRICS:-1}" = 1 ]; then  # until the server stops (both of its loads, when there are two)
         "$PY" benchmarks/sglang_regenerate.py metrics --url http://127.0.0.1:30030 --every-s 5 \
             --out "$OUT/metrics-ceiling-$label.json" > /dev/null 2>&1 &

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import urllib.request
 
 import pytest
 import torch
@@ -166,3 +169,64 @@ def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server
     assert launcher.returncode == 0, stderr
     assert f"another process took {taken_url} before the server bound it; starting again on {record['url']}" in stderr
     assert not service_file.exists() and other.poll() is None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("freeze", [True, False])
+def test_launcher_freezes_the_ready_servers_garbage_collector_when_asked(tmp_path, tiny_llama, freeze):
+    """extract.sglang.freeze_gc: once the server answers as ours, the launcher asks it to freeze
+    (SGLang's /freeze_gc), before its jobs are told it is ready; the record says whether it did."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
+    sglang = {"spool_dir": str(tmp_path / "spool"), "freeze_gc": freeze}
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
+    service_file = workdir / "block.json"
+    service_file.touch()
+    url = sglang_launch.url_with_free_port("http://127.0.0.1:30000")
+    script = (
+        "import sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
+        f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
+        f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), url={url!r}, service_file={str(service_file)!r}))"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), sglang_launch.SERVER_COMMAND_ENV: STANDIN_COMMAND},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120, poll_s=0.2)
+        assert record["gc_frozen"] is freeze
+        with urllib.request.urlopen(record["url"] + "/standin/stats", timeout=10) as response:
+            assert json.loads(response.read())["gc_frozen"] == (1 if freeze else 0)
+        assert json.loads((workdir / "state" / "server.json").read_text())["gc_frozen"] is freeze
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        stderr = launcher.communicate(timeout=90)[1]
+    assert launcher.returncode == 0, stderr
+
+
+def test_a_server_without_the_freeze_route_is_served_as_it_is(capsys):
+    """A server that answers /freeze_gc with an error (not SGLang, or an SGLang without the
+    route) is not a failed start: freeze_gc says False and why, and the launcher goes on."""
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert sglang_launch.freeze_gc(url, timeout_s=10) is False
+        assert sglang_launch.freeze_gc("http://127.0.0.1:9", timeout_s=2) is False  # nothing listening
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert f"the server at {url} did not freeze its garbage collector (HTTP Error 404" in err

@@ -495,6 +495,12 @@ def test_the_gpu_regeneration_driver_sweeps_server_flags_and_runs_the_workflow_w
     assert f"stand-in: SGLang environment {env}" in server_log
     (ignored,) = [line for line in server_log.splitlines() if "ignoring SGLang flags" in line]
     assert ignored.rstrip("]").endswith(", ".join(repr(flag) for flag in picked_flags if flag not in ("--delay-s", "0")))
+    # Every server froze its garbage collector once ready (extract.sglang.freeze_gc, the default):
+    # the plain ones as the launcher freezes the workflow's.
+    steps = (out / "steps.log").read_text()
+    assert "plain server 0: garbage collector frozen" in steps and "plain server 1: garbage collector frozen" in steps
+    state = repo / "logs" / "tiny-regenerate-driver" / "sglang" / "regenerate"
+    assert json.loads((state / "server.json").read_text())["gc_frozen"] is True
     summary = json.loads((out / "sglang_regenerate.json").read_text())["regenerate"]
     assert summary["shards_done"] == 2 and summary["accounted"] and summary["regenerated"] > 0
     assert summary["ceiling_tokens_per_s"] == ceiling["tokens_per_s"] and "schedule" in summary

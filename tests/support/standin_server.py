@@ -19,8 +19,9 @@ like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the p
 ``--chat-fail-containing TEXT`` answers 500 to every chat request whose user turns contain TEXT.
 A chat request with ``"stream": true`` is answered as SGLang streams it (server-sent events of
 ``--stream-interval`` tokens, ``--stream-token-delay-s`` per token), and ``POST /abort_request``
-with its ``rid`` stops the stream at the next chunk; ``GET /standin/stats`` lists the aborted
-request ids and the tokens streamed in all.
+with its ``rid`` stops the stream at the next chunk; ``POST /freeze_gc`` freezes the stand-in's
+garbage collector as SGLang's does; ``GET /standin/stats`` lists the aborted request ids, the
+tokens streamed in all and the freezes.
 
 Serving (``--mode serve``, or in any mode without ``return_hidden_states``, as a plain SGLang
 answers it), a ``POST /generate`` that streams or samples is regeneration
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -161,7 +163,7 @@ def make_handler(options, state: dict):
             if self.path == "/standin/stats":
                 with state["lock"]:
                     return self._send(200, {"aborted": sorted(state["aborted"]), "streamed_tokens": state["streamed_tokens"],
-                                            "chunks": state["chunks"]})
+                                            "chunks": state["chunks"], "gc_frozen": state["gc_frozen"]})
             if options.impersonate is None and self.path == sglang_patch.INFO_ROUTE:
                 return self._send(200, sglang_patch.server_info(state["model"].settings, "stand-in"))
             if options.enable_metrics and self.path == "/metrics":
@@ -192,6 +194,17 @@ def make_handler(options, state: dict):
         def _answer_post(self, request):
             if self.path == "/v1/chat/completions" and options.impersonate is None:
                 return self._chat(request)
+            if self.path == "/freeze_gc" and options.impersonate != "vllm":  # as SGLang: freeze, then a line of text
+                gc.freeze()
+                with state["lock"]:
+                    state["gc_frozen"] += 1
+                body = b"Garbage collection frozen.\n"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return None
             if self.path == "/abort_request" and options.impersonate is None:
                 with state["lock"]:
                     state["aborted"].add(request.get("rid"))
@@ -416,7 +429,8 @@ def chat_generator(options):
 
 def serve(options) -> None:
     state = {"lock": threading.Lock(), "generate_lock": threading.Lock(), "requests": 0, "chat_requests": 0,
-             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0, "chunks": 0, "running": 0}
+             "writer": spool.SpoolWriter(2), "aborted": set(), "streamed_tokens": 0, "chunks": 0, "running": 0,
+             "gc_frozen": 0}
     if options.speculative_algorithm not in (None, "EAGLE3"):
         raise SystemExit(f"the stand-in speculates with EAGLE3 only, not {options.speculative_algorithm}")
     drafting = None
