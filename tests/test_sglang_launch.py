@@ -57,6 +57,33 @@ def test_plugin_does_nothing_in_servers_not_started_by_the_launcher(monkeypatch)
     assert sglang_patch.register() is None  # would raise here: sglang is not installed
 
 
+def start_launcher(tmp_path, tiny_llama, sglang: dict, url: str, repick_port: bool = False):
+    """The launcher (eaglenest.sglang.launch.serve) of a tiny backend-sglang config, in a process
+    of its own, serving the stand-in at ``url`` and publishing to a block's service file:
+    (process, workdir, service file). With ``repick_port`` it builds the SGLang command for each
+    URL it tries, as the workflow's server rule does."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
+    service_file = workdir / "block.json"
+    service_file.touch()
+    command_for = ("lambda url: launch.launch_command(config, launch.capture_settings(config), url=url)"
+                   if repick_port else "None")
+    script = (
+        "import sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
+        f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
+        f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), command_for={command_for}, url={url!r}, "
+        f"service_file={str(service_file)!r}, repick_port={repick_port!r}))"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), sglang_launch.SERVER_COMMAND_ENV: STANDIN_COMMAND},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    return launcher, workdir, service_file
+
+
 @pytest.mark.integration
 def test_launcher_reports_a_server_that_exits_while_loading(tmp_path):
     log = tmp_path / "server.log"
@@ -136,25 +163,8 @@ def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server
     before its own server bound it: the launcher must not take that server for its own, and
     starts its server again on another port once it has died on the taken one."""
     other, taken_url, _ = standin()
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
     sglang = {"spool_dir": str(tmp_path / "launcher-spool")}
-    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
-    service_file = workdir / "block.json"
-    service_file.touch()
-    script = (
-        "import sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
-        f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
-        "command_for = lambda url: launch.launch_command(config, launch.capture_settings(config), url=url);"
-        f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), command_for=command_for, url={taken_url!r}, "
-        f"service_file={str(service_file)!r}, repick_port=True))"
-    )
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), sglang_launch.SERVER_COMMAND_ENV: STANDIN_COMMAND},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    launcher, _, service_file = start_launcher(tmp_path, tiny_llama, sglang, taken_url, repick_port=True)
     try:
         record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120, poll_s=0.2)
         assert record["url"] != taken_url
@@ -176,24 +186,9 @@ def test_a_server_of_another_launch_on_the_picked_port_is_refused_and_the_server
 def test_launcher_freezes_the_ready_servers_garbage_collector_when_asked(tmp_path, tiny_llama, freeze):
     """extract.sglang.freeze_gc: once the server answers as ours, the launcher asks it to freeze
     (SGLang's /freeze_gc), before its jobs are told it is ready; the record says whether it did."""
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 4)
     sglang = {"spool_dir": str(tmp_path / "spool"), "freeze_gc": freeze}
-    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
-    service_file = workdir / "block.json"
-    service_file.touch()
     url = sglang_launch.url_with_free_port("http://127.0.0.1:30000")
-    script = (
-        "import sys, yaml; from pathlib import Path; from eaglenest.sglang import launch;"
-        f"config = yaml.safe_load(Path({str(configfile)!r}).read_text());"
-        f"sys.exit(launch.serve(config, Path({str(workdir / 'state')!r}), url={url!r}, service_file={str(service_file)!r}))"
-    )
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), sglang_launch.SERVER_COMMAND_ENV: STANDIN_COMMAND},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+    launcher, workdir, service_file = start_launcher(tmp_path, tiny_llama, sglang, url)
     try:
         record = sglang_launch.wait_for_service(service_file, startup_timeout_s=120, poll_s=0.2)
         assert record["gc_frozen"] is freeze
