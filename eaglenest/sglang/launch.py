@@ -57,7 +57,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -310,14 +309,14 @@ def freeze_gc(url: str, timeout_s: float = 60.0) -> bool:
     the scheduler freeze its own and the detokenizer's (srt/managers/tokenizer_manager.py:1779-1782,
     scheduler.py:4035-4039). Without it a full collection while serving scans everything the
     process loaded at start-up too; on one H100 the HTTP process of a regeneration server spent
-    a fifth of its time in them, up to 2.2 s at a time (docs/regeneration.md). A server without
-    the route answers an error: it is served as it is, and False says so."""
+    a quarter of its time collecting, about 1 s a full collection (docs/regeneration.md). A
+    server without the route answers an error: it is served as it is, and False says so."""
     request = urllib.request.Request(url.rstrip("/") + "/freeze_gc", data=b"", method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             response.read()
         return True
-    except (urllib.error.URLError, OSError) as err:
+    except OSError as err:  # HTTPError and URLError are OSErrors; so is a timeout
         print(f"the server at {url} did not freeze its garbage collector ({err}); it serves as it is",
               file=sys.stderr, flush=True)
         return False
