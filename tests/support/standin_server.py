@@ -144,9 +144,11 @@ def make_handler(options, state: dict):
                 super().log_message(fmt, *args)
 
         def _send(self, status: int, payload) -> None:
-            body = json.dumps(payload).encode()
+            self._send_body(status, json.dumps(payload).encode(), "application/json")
+
+        def _send_body(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -172,12 +174,7 @@ def make_handler(options, state: dict):
                 with state["lock"]:
                     body = (f"# TYPE sglang:num_running_reqs gauge\n"
                             f'sglang:num_running_reqs{{model_name="{options.target}",tp_rank="0"}} {state["running"]}.0\n')
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body.encode())
-                return None
+                return self._send_body(200, body.encode(), "text/plain; version=0.0.4")
             return self._send(404, {"detail": "Not Found"})
 
         def do_POST(self):
@@ -198,13 +195,7 @@ def make_handler(options, state: dict):
                 gc.freeze()
                 with state["lock"]:
                     state["gc_frozen"] += 1
-                body = b"Garbage collection frozen.\n"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                return None
+                return self._send_body(200, b"Garbage collection frozen.\n", "text/plain")
             if self.path == "/abort_request" and options.impersonate is None:
                 with state["lock"]:
                     state["aborted"].add(request.get("rid"))
