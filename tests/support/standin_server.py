@@ -20,7 +20,7 @@ like a vLLM OpenAI server, ``--impersonate sglang`` like an SGLang without the p
 A chat request with ``"stream": true`` is answered as SGLang streams it (server-sent events of
 ``--stream-interval`` tokens, ``--stream-token-delay-s`` per token), and ``POST /abort_request``
 with its ``rid`` stops the stream at the next chunk; ``POST /freeze_gc`` freezes the stand-in's
-garbage collector as SGLang's does; ``GET /standin/stats`` lists the aborted request ids, the
+garbage collector as SGLang's does (srt/entrypoints/http_server.py:1071-1081 in 0.5.14); ``GET /standin/stats`` lists the aborted request ids, the
 tokens streamed in all and the freezes.
 
 Serving (``--mode serve``, or in any mode without ``return_hidden_states``, as a plain SGLang
