@@ -413,3 +413,28 @@ def test_the_gpu_round_plans_regeneration_then_the_served_drafter_with_the_carri
                             capture_output=True, text=True, env={**environment, "ORDER": "serve train"})
     assert result.returncode == 2 and "unknown part train" in (tmp_path / "out-bad" / "round.log").read_text()
     assert not (tmp_path / "out-bad" / "DONE").exists()
+
+
+@pytest.mark.workflow
+def test_the_own_answers_round_plans_regeneration_with_the_gc_sweep_and_no_served_drafter(tmp_path, tiny_llama):
+    """benchmarks/own_answers_round.sh with DRY_RUN=1: sglang_round.sh's regeneration only, its
+    ceiling swept with Python's own --gc-threshold beside the config's, and the training it would
+    start named in the log, not run; DONE at the end."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(
+        workdir, tiny_llama, conversations, run="tiny-own-answers-dry-run", data={"max_conversations": 20, "samples_per_shard": 10},
+        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95})
+    environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
+                   "REGEN_CONFIGS": str(configfile)}
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "own_answers_round.sh"), str(out)],
+                            capture_output=True, text=True, env=environment)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (out / "round.log").read_text()
+    assert log.index("regeneration starts") < log.index("regeneration rc=0") < log.index("dry run: training")
+    assert "config/h200/own-answers-seed1.yaml" in log and "serve starts" not in log
+    assert (out / "DONE").exists()
+    steps = (out / "regen" / "steps.log").read_text().splitlines()
+    assert any(line.startswith("ceiling server: ") and line.endswith("--gc-threshold 700 10 10") for line in steps)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The own-answers round on one GPU node, as one command: a second set of the target's answers
+# regenerated through the workflow's SGLang server beside the plain server's ceiling
+# (benchmarks/sglang_round.sh, regeneration only), then the drafter trained on it, warm
+# (benchmarks/run.sh --carried-data --no-evaluate; evaluate it elsewhere from the export).
+#
+#   SGLANG_WHEELS=.sglang-wheels NODE_WHEELS=.node-wheels bash benchmarks/own_answers_round.sh OUTDIR
+#
+# Reads what the overlays read: the GGUF in resources/wheels/, results/<run>/data/ (ingested
+# conversations, config/h200/carried-data.yaml) and the warm-start drafter in
+# resources/drafters/h200-2026-12-04-own-answers/, which may arrive while regeneration runs
+# (training waits for its model.safetensors at most WARM_START_WAIT_S, 1800 s).
+# Knobs: REGEN_CONFIGS and TRAIN_CONFIGS (overlays, defaults below), CEILING_SWEEP (default: Python's
+# own --gc-threshold beside the config's), INTERVALS (WORKFLOW_CLIENT_INTERVALS, 64), TRAIN
+# (1; 0 = regeneration only). Writes OUTDIR/round.log and OUTDIR/DONE; the regeneration's files in
+# OUTDIR/regen/, the training's in logs/h200/. DRY_RUN=1 plans the regeneration and trains nothing.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:?usage: bash benchmarks/own_answers_round.sh OUTDIR}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+rm -f "$OUT/DONE"
+log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/round.log" >&2; }
+read -r -a REGEN <<< "${REGEN_CONFIGS:-config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml}"
+read -r -a TRAIN_OVERLAYS <<< "${TRAIN_CONFIGS:-config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml config/h200/own-answers.yaml config/h200/own-answers-seed1.yaml}"
+log "regeneration: ${REGEN[*]}"
+ORDER=regen SKIP=serve GC_STATS="${GC_STATS:-1}" PROFILE_STEPS="${PROFILE_STEPS:-0}" WORKFLOW_PROFILE_LATE_S=0 \
+    WORKFLOW_CLIENT_INTERVALS="${INTERVALS:-64}" CEILING_SWEEP="${CEILING_SWEEP---gc-threshold 700 10 10}" \
+    bash benchmarks/sglang_round.sh "$OUT" "${REGEN[@]}"
+log "sglang_round.sh rc=$?"
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    log "dry run: training (benchmarks/run.sh --carried-data --no-evaluate ${TRAIN_OVERLAYS[*]}) not started"
+elif [ "${TRAIN:-1}" = 1 ]; then
+    # the workflow's wheels, as sglang_round.sh installed them, on the training's path too
+    export PYTHONPATH="${WORKFLOW_SITE:-/tmp/workflow-site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    warm=resources/drafters/h200-2026-12-04-own-answers/model.safetensors
+    for _ in $(seq 1 "${WARM_START_WAIT_S:-1800}"); do [ -e "$warm" ] && break; sleep 1; done
+    [ -e "$warm" ] || log "no warm-start drafter in $warm"
+    log "training: ${TRAIN_OVERLAYS[*]}"
+    # mtime only: the overlays after the regeneration's change the regenerate rule's params, not its outputs
+    SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers mtime}" \
+        bash benchmarks/run.sh --carried-data --no-evaluate "${TRAIN_OVERLAYS[@]}"
+    log "training rc=$?"
+fi
+touch "$OUT/DONE"
