@@ -373,17 +373,22 @@ def test_merge_refuses_parts_measured_at_other_concurrencies():
         evaluate_server.metrics_from_server_parts(part("steps2-topk1-tokens3", [1, 8]), part("plain", [1]))
 
 
+def sampled_server_regeneration_config(tmp_path, tiny_llama, run):
+    """A tiny workflow's config that regenerates 20 conversations, sampled, through the server."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    return tiny_workflow_config(
+        workdir, tiny_llama, conversations, run=run, data={"max_conversations": 20, "samples_per_shard": 10},
+        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95})
+
+
 @pytest.mark.workflow
 def test_the_gpu_round_plans_regeneration_then_the_served_drafter_with_the_carried_installs_flags(tmp_path, tiny_llama):
     """benchmarks/sglang_round.sh with DRY_RUN=1: regeneration's plan, then the serve run's,
     whose servers get the flags the carried install serves with (Triton attention, no prefill
     graphs) unless SERVER_ARGS says otherwise; the milestones the node's caller waits for."""
-    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    configfile = tiny_workflow_config(
-        workdir, tiny_llama, conversations, run="tiny-round-dry-run", data={"max_conversations": 20, "samples_per_shard": 10},
-        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95})
+    configfile = sampled_server_regeneration_config(tmp_path, tiny_llama, "tiny-round-dry-run")
     export = sglang_export(tmp_path, tiny_llama)
     prompts = tmp_path / "question.jsonl"
     prompts.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Another."]}) + "\n")
@@ -420,12 +425,7 @@ def test_the_own_answers_round_plans_regeneration_with_the_gc_sweep_and_no_serve
     """benchmarks/own_answers_round.sh with DRY_RUN=1: sglang_round.sh's regeneration only, its
     ceiling swept with Python's own --gc-threshold beside the config's, and the training it would
     start named in the log, not run; DONE at the end."""
-    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 20)
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    configfile = tiny_workflow_config(
-        workdir, tiny_llama, conversations, run="tiny-own-answers-dry-run", data={"max_conversations": 20, "samples_per_shard": 10},
-        regenerate={"enabled": True, "backend": "openai", "temperature": 0.8, "top_p": 0.95})
+    configfile = sampled_server_regeneration_config(tmp_path, tiny_llama, "tiny-own-answers-dry-run")
     environment = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "EAGLENEST_SGLANG_COMMAND": "sglang-server",
                    "REGEN_CONFIGS": str(configfile)}
     out = tmp_path / "out"
