@@ -7,9 +7,9 @@
 #   SGLANG_WHEELS=.sglang-wheels NODE_WHEELS=.node-wheels bash benchmarks/own_answers_round.sh OUTDIR
 #
 # Reads what the overlays read: the GGUF in resources/wheels/, results/<run>/data/ (ingested
-# conversations, config/h200/carried-data.yaml) and the warm-start drafter in
-# resources/drafters/h200-2026-12-04-own-answers/, which may arrive while regeneration runs
-# (training waits for its model.safetensors at most WARM_START_WAIT_S, 1800 s).
+# conversations, config/h200/carried-data.yaml) and the warm-start drafter (train.init_from:
+# resources/drafters/h200-2026-12-04-own-answers/), which may arrive, moved into place whole,
+# while regeneration runs (run.sh waits for it at most WARM_START_WAIT_S, here 1800 s).
 # Knobs: REGEN_CONFIGS and TRAIN_CONFIGS (overlays, defaults below), CEILING_SWEEP (default: Python's
 # own --gc-threshold beside the config's), INTERVALS (WORKFLOW_CLIENT_INTERVALS, 64), TRAIN
 # (1; 0 = regeneration only). Writes OUTDIR/round.log and OUTDIR/DONE; the regeneration's files in
@@ -33,12 +33,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 elif [ "${TRAIN:-1}" = 1 ]; then
     # the workflow's wheels, as sglang_round.sh installed them, on the training's path too
     export PYTHONPATH="${WORKFLOW_SITE:-/tmp/workflow-site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    warm=resources/drafters/h200-2026-12-04-own-answers/model.safetensors
-    for _ in $(seq 1 "${WARM_START_WAIT_S:-1800}"); do [ -e "$warm" ] && break; sleep 1; done
-    [ -e "$warm" ] || log "no warm-start drafter in $warm"
     log "training: ${TRAIN_OVERLAYS[*]}"
     # mtime only: the overlays after the regeneration's change the regenerate rule's params, not its outputs
-    SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers mtime}" \
+    WARM_START_WAIT_S="${WARM_START_WAIT_S:-1800}" SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers mtime}" \
         bash benchmarks/run.sh --carried-data --no-evaluate "${TRAIN_OVERLAYS[@]}"
     log "training rc=$?"
 fi

@@ -69,9 +69,10 @@ PY
 }
 RUN_DIR=results/$(setting - run "${RUN[@]}")
 TARGET_DIR=$(setting target path "${RUN[@]}")
-# A warm start (train.init_from) needs its drafter before anything runs.
+# A warm start (train.init_from) needs its drafter before anything runs; WARM_START_WAIT_S
+# (default 0) waits that long for one that arrives (moved into place whole) after the start.
 init_from=$(setting train init_from "${RUN[@]}")
-if [ -n "$init_from" ] && [ ! -e "$init_from" ]; then
+if [ -n "$init_from" ] && [ ! -e "$init_from" ] && ! wait_for "$init_from" "${WARM_START_WAIT_S:-0}"; then
   echo "$(stamp) no warm-start drafter in $init_from (train.init_from)" | tee -a logs/h200/progress.log >&2
   exit 1
 fi
