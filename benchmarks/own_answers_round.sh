@@ -23,19 +23,21 @@ rm -f "$OUT/DONE"
 log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/round.log" >&2; }
 read -r -a REGEN <<< "${REGEN_CONFIGS:-config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml}"
 read -r -a TRAIN_OVERLAYS <<< "${TRAIN_CONFIGS:-config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml config/h200/own-answers.yaml config/h200/own-answers-seed1.yaml}"
+# mtime only: the overlays after the regeneration's change the regenerate rule's params, not its
+# outputs. "=" keeps the option to one value: run.sh puts a target right after it.
+TRAIN_SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers=mtime}"
 log "regeneration: ${REGEN[*]}"
 ORDER=regen SKIP=serve GC_STATS="${GC_STATS:-1}" PROFILE_STEPS="${PROFILE_STEPS:-0}" WORKFLOW_PROFILE_LATE_S=0 \
     WORKFLOW_CLIENT_INTERVALS="${INTERVALS:-64}" CEILING_SWEEP="${CEILING_SWEEP---gc-threshold 700 10 10}" \
     bash benchmarks/sglang_round.sh "$OUT" "${REGEN[@]}"
 log "sglang_round.sh rc=$?"
 if [ "${DRY_RUN:-0}" = 1 ]; then
-    log "dry run: training (benchmarks/run.sh --carried-data --no-evaluate ${TRAIN_OVERLAYS[*]}) not started"
+    log "dry run: training (SNAKEMAKE=\"$TRAIN_SNAKEMAKE\" benchmarks/run.sh --carried-data --no-evaluate ${TRAIN_OVERLAYS[*]}) not started"
 elif [ "${TRAIN:-1}" = 1 ]; then
     # the workflow's wheels, as sglang_round.sh installed them, on the training's path too
     export PYTHONPATH="${WORKFLOW_SITE:-/tmp/workflow-site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     log "training: ${TRAIN_OVERLAYS[*]}"
-    # mtime only: the overlays after the regeneration's change the regenerate rule's params, not its outputs
-    WARM_START_WAIT_S="${WARM_START_WAIT_S:-1800}" SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers mtime}" \
+    WARM_START_WAIT_S="${WARM_START_WAIT_S:-1800}" SNAKEMAKE="$TRAIN_SNAKEMAKE" \
         bash benchmarks/run.sh --carried-data --no-evaluate "${TRAIN_OVERLAYS[@]}"
     log "training rc=$?"
 fi

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -438,3 +439,10 @@ def test_the_own_answers_round_plans_regeneration_with_the_gc_sweep_and_no_serve
     assert (out / "DONE").exists()
     steps = (out / "regen" / "steps.log").read_text().splitlines()
     assert any(line.startswith("ceiling server: ") and line.endswith("--gc-threshold 700 10 10") for line in steps)
+    # the training's Snakemake, as run.sh calls it: a target right after the options must stay a target
+    command = re.search(r'SNAKEMAKE="([^"]*)"', log).group(1).split()
+    assert command[:3] == ["python3", "-m", "snakemake"]
+    from snakemake.cli import get_argument_parser
+    parsed = get_argument_parser().parse_args(command[3:] + ["resources/models/target", "--cores", "4"])
+    assert parsed.targets == ["resources/models/target"]
+    assert {getattr(trigger, "name", trigger).lower() for trigger in parsed.rerun_triggers} == {"mtime"}
