@@ -24,7 +24,7 @@ log() { echo "$(date -u +%FT%TZ) $*" | tee -a "$OUT/round.log" >&2; }
 read -r -a REGEN <<< "${REGEN_CONFIGS:-config/h200-smollm2.yaml config/h200/carried-data.yaml config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml}"
 read -r -a TRAIN_OVERLAYS <<< "${TRAIN_CONFIGS:-config/h200/regenerated-sampled-server.yaml config/h200/regenerated-seed1.yaml config/h200/own-answers.yaml config/h200/own-answers-seed1.yaml}"
 # mtime only: the overlays after the regeneration's change the regenerate rule's params, not its
-# outputs. "=" keeps the option to one value: run.sh puts a target right after it.
+# outputs. "=" keeps the option to one value, so a target may follow it.
 TRAIN_SNAKEMAKE="${SNAKEMAKE:-python3 -m snakemake --rerun-triggers=mtime}"
 log "regeneration: ${REGEN[*]}"
 ORDER=regen SKIP=serve GC_STATS="${GC_STATS:-1}" PROFILE_STEPS="${PROFILE_STEPS:-0}" WORKFLOW_PROFILE_LATE_S=0 \

@@ -85,7 +85,8 @@ if [ -n "$BENCH_PARTS" ]; then
   ) &
 fi
 
-timed convert $SNAKEMAKE "$TARGET_DIR" --cores 4 --configfile "${RUN[@]}" || exit 1
+# --cores before the target: a SNAKEMAKE ending in a many-valued option (--rerun-triggers mtime) would take the target as one more value
+timed convert $SNAKEMAKE --cores 4 "$TARGET_DIR" --configfile "${RUN[@]}" || exit 1
 timed data $SNAKEMAKE --cores "$CORES" --configfile "${RUN[@]}" --until consolidate || exit 1
 if [ -n "$BENCH_PARTS" ]; then
   wait_for logs/h200/BENCH_DONE "${BENCH_WAIT_S:-420}" ||

@@ -439,7 +439,7 @@ def test_the_own_answers_round_plans_regeneration_with_the_gc_sweep_and_no_serve
     assert (out / "DONE").exists()
     steps = (out / "regen" / "steps.log").read_text().splitlines()
     assert any(line.startswith("ceiling server: ") and line.endswith("--gc-threshold 700 10 10") for line in steps)
-    # the training's Snakemake, as run.sh calls it: a target right after the options must stay a target
+    # the training's Snakemake: a target right after its options stays a target, wherever run.sh puts one
     command = re.search(r'SNAKEMAKE="([^"]*)"', log).group(1).split()
     assert command[:3] == ["python3", "-m", "snakemake"]
     from snakemake.cli import get_argument_parser
