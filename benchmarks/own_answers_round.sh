@@ -12,8 +12,10 @@
 # while regeneration runs (run.sh waits for it at most WARM_START_WAIT_S, here 1800 s).
 # Knobs: REGEN_CONFIGS and TRAIN_CONFIGS (overlays, defaults below), CEILING_SWEEP (default: Python's
 # own --gc-threshold beside the config's), INTERVALS (WORKFLOW_CLIENT_INTERVALS, 64), TRAIN
-# (1; 0 = regeneration only). Writes OUTDIR/round.log and OUTDIR/DONE; the regeneration's files in
-# OUTDIR/regen/, the training's in logs/h200/. DRY_RUN=1 plans the regeneration and trains nothing.
+# (1; 0 = regeneration only), BESIDE_CONFIGS (overlays of train settings: a second drafter trained
+# on the same hidden states beside the first, benchmarks/train_beside.sh, in OUTDIR/beside/).
+# Writes OUTDIR/round.log and OUTDIR/DONE; the regeneration's files in OUTDIR/regen/, the
+# training's in logs/h200/. DRY_RUN=1 plans the regeneration and trains nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:?usage: bash benchmarks/own_answers_round.sh OUTDIR}"
@@ -37,8 +39,22 @@ elif [ "${TRAIN:-1}" = 1 ]; then
     # the workflow's wheels, as sglang_round.sh installed them, on the training's path too
     export PYTHONPATH="${WORKFLOW_SITE:-/tmp/workflow-site}:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     log "training: ${TRAIN_OVERLAYS[*]}"
+    if [ -n "${BESIDE_CONFIGS:-}" ]; then
+        read -r -a BESIDE <<< "$BESIDE_CONFIGS"
+        log "beside it: ${BESIDE[*]}"
+        # waits for run.sh's data phase (logs/h200/DATA_DONE); run.sh clears the marker first
+        rm -f logs/h200/DATA_DONE
+        SNAKEMAKE="$TRAIN_SNAKEMAKE" bash benchmarks/train_beside.sh "$OUT/beside" \
+            config/h200-smollm2.yaml config/h200/carried-data.yaml "${TRAIN_OVERLAYS[@]}" "${BESIDE[@]}" &
+        beside=$!
+    fi
     WARM_START_WAIT_S="${WARM_START_WAIT_S:-1800}" SNAKEMAKE="$TRAIN_SNAKEMAKE" \
         bash benchmarks/run.sh --carried-data --no-evaluate "${TRAIN_OVERLAYS[@]}"
     log "training rc=$?"
+    if [ -n "${beside:-}" ]; then
+        [ -e logs/h200/DATA_DONE ] || kill "$beside" 2>/dev/null  # no data phase: nothing to train on
+        wait "$beside"
+        log "beside rc=$?"
+    fi
 fi
 touch "$OUT/DONE"

@@ -20,7 +20,7 @@
 #   --cores N         Snakemake's cores (default: all of the node's)
 # Writes logs/h200/: progress.log (each step's start and end), times.tsv (name, wall seconds,
 # exit status), one log per step, config.txt (the config files used), EXPORTED once the export
-# is written, DONE at the end.
+# is written, DATA_DONE after the data phase, DONE at the end.
 source "$(dirname "$0")/h200_steps.sh"
 BASE=config/h200-smollm2.yaml
 EXTRA=()
@@ -53,7 +53,7 @@ fi
 for f in "${RUN[@]}"; do [ -f "$f" ] || { echo "no config file $f" >&2; exit 2; }; done
 BENCH=logs/h200/bench
 mkdir -p $BENCH
-rm -f logs/h200/EXPORTED logs/h200/DONE logs/h200/BENCH_DONE
+rm -f logs/h200/DATA_DONE logs/h200/EXPORTED logs/h200/DONE logs/h200/BENCH_DONE
 echo "${RUN[*]}" >logs/h200/config.txt
 echo "$(stamp) configs: ${RUN[*]}" >>logs/h200/progress.log
 setting() { # section key config files...: the value the last file that sets it gives
@@ -88,6 +88,7 @@ fi
 # --cores before the target: a SNAKEMAKE ending in a many-valued option (--rerun-triggers mtime) would take the target as one more value
 timed convert $SNAKEMAKE --cores 4 "$TARGET_DIR" --configfile "${RUN[@]}" || exit 1
 timed data $SNAKEMAKE --cores "$CORES" --configfile "${RUN[@]}" --until consolidate || exit 1
+touch logs/h200/DATA_DONE  # benchmarks/train_beside.sh starts a second drafter on this data
 if [ -n "$BENCH_PARTS" ]; then
   wait_for logs/h200/BENCH_DONE "${BENCH_WAIT_S:-420}" ||
     echo "$(stamp) the benchmarks still run; training starts" >>logs/h200/progress.log

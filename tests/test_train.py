@@ -500,10 +500,44 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
 def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
     other = tmp_path / "other"
     train.train(**{**arguments(tiny_run, other, epochs=1), "settings": {
-        **SETTINGS, "epochs": 1, "drafter": {"intermediate_size": 32}}})
-    with pytest.raises(ValueError, match="intermediate_size 32 != "):
+        **SETTINGS, "epochs": 1, "drafter": {"num_key_value_heads": 1}}})
+    with pytest.raises(ValueError, match="num_key_value_heads 1 != "):
         train.train(**arguments(tiny_run, tmp_path / "run", epochs=1, init_from=str(other / "drafter")))
     assert not (tmp_path / "run" / "drafter").exists()
+
+
+def test_warm_start_widens_a_narrower_mlp_to_the_same_function_and_refuses_narrowing(tiny_run, tmp_path):
+    from eaglenest.model.drafter import Eagle3Drafter
+
+    narrow = tmp_path / "narrow"
+    first = train.train(**{**arguments(tiny_run, narrow, epochs=2), "settings": {
+        **SETTINGS, "epochs": 2, "drafter": {"intermediate_size": 8}}})
+    start = final_weights(narrow / "drafter")
+    wide_run = tmp_path / "wide"
+    train.train(**{**arguments(tiny_run, wide_run, epochs=1, lr=1e-20, init_from=str(narrow / "drafter")),
+                   "settings": {**SETTINGS, "epochs": 1, "lr": 1e-20, "init_from": str(narrow / "drafter"),
+                                "drafter": {"intermediate_size": 24}}})
+    wide = final_weights(wide_run / "drafter")
+    assert wide["midlayer.mlp.down_proj.weight"].shape[1] == 24
+    for name in ("gate_proj", "up_proj"):
+        grown = wide[f"midlayer.mlp.{name}.weight"]
+        assert torch.equal(grown[:8], start[f"midlayer.mlp.{name}.weight"])
+        assert grown[8:].abs().max() > 0  # the new units are initialised, so they learn
+    assert torch.equal(wide["midlayer.mlp.down_proj.weight"][:, :8], start["midlayer.mlp.down_proj.weight"])
+    assert wide["midlayer.mlp.down_proj.weight"][:, 8:].abs().max() < 1e-15
+    # The same function: its first validation is the narrow run's last, and so are its logits.
+    curve = json.loads((wide_run / "drafter" / "training_curve.json").read_text())
+    assert curve["val"][-1]["acc"] == first["final_val_acc"]
+    narrow_model = Eagle3Drafter.from_checkpoint(narrow / "drafter")
+    wide_model = Eagle3Drafter.from_checkpoint(wide_run / "drafter")
+    ids = torch.randint(0, narrow_model.config.vocab_size, (2, 9))
+    hidden = torch.randn(2, 9, 3 * narrow_model.config.target_hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(narrow_model(ids, hidden)[0], wide_model(ids, hidden)[0], atol=1e-6)
+    # Narrowing would drop units: refused.
+    with pytest.raises(ValueError, match="intermediate_size 24 != 8"):
+        train.train(**{**arguments(tiny_run, tmp_path / "back", epochs=1), "settings": {
+            **SETTINGS, "epochs": 1, "init_from": str(wide_run / "drafter"), "drafter": {"intermediate_size": 8}}})
 
 
 def run_worker(args: dict, args_file: Path, env=None) -> subprocess.Popen:

@@ -183,6 +183,44 @@ def test_production_config_plans_the_whole_job_without_the_model(tmp_path):
     assert counts["extract_hidden_states"] == 240 and counts["consolidate"] == 1
 
 
+def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone(finished_run, tmp_path):
+    """benchmarks/train_beside.sh: a second drafter on the run's extracted states, in a
+    sibling working directory; an overlay that would change the data is refused."""
+    import sys
+
+    workdir, config = finished_run
+    run_train = workdir / "results" / "tiny" / "train"
+    before = {p: p.stat().st_mtime_ns for p in run_train.rglob("*") if p.is_file()}
+    lr = tmp_path / "lr.yaml"
+    lr.write_text("train:\n  lr: 0.001\n")
+    data = tmp_path / "data.yaml"
+    data.write_text("data:\n  max_len: 200\n")
+    ready = tmp_path / "READY"
+    ready.touch()
+    env = {**os.environ, "RUN_ROOT": str(workdir), "READY": str(ready), "WAIT_S": "5", "CORES": "2",
+           "SNAKEMAKE": f"{sys.executable} -m snakemake"}
+
+    def beside(name, overlay):
+        out = tmp_path / name
+        result = subprocess.run(["bash", str(REPO / "benchmarks" / "train_beside.sh"), str(out), str(config), str(overlay)],
+                                capture_output=True, text=True, env=env)
+        return result, out
+
+    result, out = beside("refused", data)
+    assert result.returncode == 2 and "refused: the plan would make" in (out / "beside.log").read_text()
+    assert not (out / "results" / "tiny" / "train").exists()
+    result, out = beside("arm", lr)
+    log = (out / "beside.log").read_text()
+    assert result.returncode == 0, log + result.stderr[-3000:]
+    assert "planned: export_drafter train_drafter" in log and (out / "DONE").read_text().strip() == "0"
+    arm = out / "results" / "tiny"
+    assert (arm / "export" / "sglang" / "config.json").exists()
+    assert (arm / "hidden").is_symlink() and not (arm / "train").is_symlink()
+    arm_weights = (arm / "train" / "drafter" / "model.safetensors").read_bytes()
+    assert arm_weights != (run_train / "drafter" / "model.safetensors").read_bytes()
+    assert {p: p.stat().st_mtime_ns for p in run_train.rglob("*") if p.is_file()} == before
+
+
 def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_run, tmp_path):
     source, _ = finished_run
     workdir = tmp_path / "run"

@@ -63,17 +63,26 @@ def warm_start(model: drafter_lib.Eagle3Drafter, source, target_path) -> str:
 
     The source must be this run's drafter in all but its weights: same shape, aux layers and
     draft vocabulary (d2t and t2d), else a ValueError names what differs and nothing is copied.
+    One difference is taken: a source with a narrower MLP (``intermediate_size``) is widened
+    into this run's, its units copied and the new units' output weights zero, so the run
+    starts at exactly the source's function (:func:`widen_mlp`).
     The embedding stays the target's (frozen, and an export may not carry it)."""
     from eaglenest.stages import export  # export imports the drafter model, not train
 
     start = export.load_any_drafter(source, target_path)
-    differ = [f"{name} {getattr(start.config, name)} != {getattr(model.config, name)}"
-              for name in _SHAPE_FIELDS if getattr(start.config, name) != getattr(model.config, name)]
+    differ = [name for name in _SHAPE_FIELDS if getattr(start.config, name) != getattr(model.config, name)]
+    widen = differ == ["intermediate_size"] and start.config.intermediate_size < model.config.intermediate_size
+    differ = [] if widen else [f"{name} {getattr(start.config, name)} != {getattr(model.config, name)}"
+                               for name in differ]
     if not differ and not same_draft_vocab(start, {"d2t": model.d2t, "t2d": model.t2d}):
         differ.append("d2t/t2d (the draft vocabulary) differs")
     if differ:
         raise ValueError(f"train.init_from {source}: not this run's drafter shape: {'; '.join(differ)}")
     weights = {name: t for name, t in start.trainable_state_dict().items() if name not in ("d2t", "t2d")}
+    if widen:
+        weights.update(widen_mlp(weights, model))
+        log.info("warm start widens the MLP from %d to %d units (new units' down_proj zero)",
+                 start.config.intermediate_size, model.config.intermediate_size)
     digest = hashlib.sha256()
     for name, tensor in sorted(weights.items()):
         digest.update(name.encode())
@@ -81,6 +90,24 @@ def warm_start(model: drafter_lib.Eagle3Drafter, source, target_path) -> str:
     model.load_state_dict(weights, strict=False)  # the embedding and the vocabulary buffers stay this run's
     log.info("warm start from %s (weights %s)", source, digest.hexdigest()[:16])
     return digest.hexdigest()
+
+
+def widen_mlp(weights: dict, model: drafter_lib.Eagle3Drafter) -> dict:
+    """The source's MLP weights (``weights``, a narrower drafter's) grown to ``model``'s width.
+
+    The first units are the source's; the new units keep ``model``'s initialisation for
+    gate_proj and up_proj (so they get gradients) and have zero down_proj columns (so they add
+    nothing yet): the widened drafter computes exactly the source's logits. Net2Net's
+    function-preserving growth, the zero-output variant."""
+    mlp = model.midlayer.mlp
+    grown = {}
+    for name, target in (("gate_proj", mlp.gate_proj.weight), ("up_proj", mlp.up_proj.weight)):
+        source = weights[f"midlayer.mlp.{name}.weight"]
+        grown[f"midlayer.mlp.{name}.weight"] = torch.cat([source.to(target.dtype), target.detach()[source.shape[0]:]])
+    down = weights["midlayer.mlp.down_proj.weight"]
+    extra = mlp.down_proj.weight.shape[1] - down.shape[1]
+    grown["midlayer.mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], extra)], dim=1)
+    return grown
 
 
 def same_draft_vocab(drafter: drafter_lib.Eagle3Drafter, draft_vocab: dict) -> bool:
