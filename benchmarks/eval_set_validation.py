@@ -21,6 +21,7 @@ the chat template gives back token for token (the rest differ in a token or two 
 """
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import platform
@@ -62,7 +63,8 @@ def conversations(eval_set: str, prompts_path: Path, refs: list[dict], tokenizer
     prompts = {p["id"]: p for p in evaluate.load_prompts(eval_set, prompts_path, None)}
     rows, exact, answer_tokens = [], 0, 0
     for ref in refs:
-        tokens = list(ref["tokens"])
+        # the answer the evaluator drafts on: its output, not the lookahead decoded beyond it
+        tokens = list(ref["tokens"][:ref.get("output_length", len(ref["tokens"]))])
         while tokens and tokens[-1] in ref["eos_token_ids"]:
             tokens.pop()
         messages = [*prompts[ref["id"]]["messages"],
@@ -104,9 +106,12 @@ def main(argv=None) -> int:
         rows_in, exact, answer_tokens = conversations(args.eval_set, prompts, references(args.references), tokenizer)
         path = work / f"{args.eval_set}.jsonl"
         path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_in))
+        # A run of its own per set of conversations: the workflow does not re-extract a shard
+        # whose prepared input changed (consolidate refuses it as stale).
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:10]
         rows, timings = [], {}
         for dtype in args.dtype or [base["extract"]["dtype"]]:
-            overlay = run_overlay(f"eval-set-validation-{args.eval_set}-{dtype}", path, len(rows_in), len(rows_in),
+            overlay = run_overlay(f"eval-set-validation-{args.eval_set}-{dtype}-{digest}", path, len(rows_in), len(rows_in),
                                   "cpu", next(iter(drafters.values())))
             overlay["extract"]["dtype"] = dtype
             overlay_path = work / f"{overlay['run']}.yaml"

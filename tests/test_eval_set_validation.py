@@ -42,8 +42,12 @@ def test_references_become_conversations_scored_per_dtype_for_every_drafter(tmp_
     eos = tokenizer.eos_token_id
     chunks = tmp_path / "chunks"
     chunks.mkdir()
-    per_prompt = [{"id": f"mt_bench/{81 + k}", "tokens": tokenizer(a, add_special_tokens=False)["input_ids"] + [eos]}
-                  for k, a in enumerate(answers)]
+    # each reference as the evaluator writes it: its output (here ending at the end of sequence),
+    # then the lookahead tokens decoded beyond it, which are no part of the answer
+    per_prompt = []
+    for k, a in enumerate(answers):
+        ids = tokenizer(a, add_special_tokens=False)["input_ids"] + [eos]
+        per_prompt.append({"id": f"mt_bench/{81 + k}", "output_length": len(ids), "tokens": ids + [7, 8, 9]})
     # two chunk files, read in their numeric order
     for n, part in enumerate((per_prompt[:2], per_prompt[2:])):
         (chunks / f"{n}.json").write_text(json.dumps({"eos_token_ids": [eos], "per_prompt": part}))
@@ -59,7 +63,7 @@ def test_references_become_conversations_scored_per_dtype_for_every_drafter(tmp_
         "--cores", "2", "--directory", str(workdir), "--out", str(out),
     ]) == 0
     table = json.loads(out.read_text())
-    assert table["prompts"] == 3 and table["answer_tokens"] == sum(len(p["tokens"]) - 1 for p in per_prompt)
+    assert table["prompts"] == 3 and table["answer_tokens"] == sum(p["output_length"] - 1 for p in per_prompt)
     assert 0 <= table["answers_token_for_token"] <= 3
     assert [(row["answers"], row["drafter"]) for row in table["rows"]] == [
         ("float8_e4m3", "one"), ("float8_e4m3", "two"), ("float32", "one"), ("float32", "two")]
@@ -75,4 +79,4 @@ def test_references_become_conversations_scored_per_dtype_for_every_drafter(tmp_
             (workdir / "results" / "eval-set-validation" / "mt_bench.jsonl").read_text().splitlines()]
     assert [row["messages"][0]["content"] for row in rows] == texts
     assert [tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"] for row in rows] == [
-        p["tokens"][:-1] for p in per_prompt]
+        p["tokens"][:p["output_length"] - 1] for p in per_prompt]
