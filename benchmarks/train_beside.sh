@@ -11,7 +11,9 @@
 # stages (results/<run>/ data, regenerated, prepared, hidden, consolidated); Snakemake, started
 # there on this checkout's Snakefile, finds every data output in place and makes only
 # train_drafter and export_drafter: WORKDIR/results/<run>/{train,export}, its logs in
-# WORKDIR/logs/<run>/. A plan with any other job (an overlay that changes the data) is refused
+# WORKDIR/logs/<run>/. The run's files are only read; its hidden directory gains the marker
+# every linked hidden directory gets (.eaglenest-hidden-states, eaglenest/plan.py).
+# A plan with any other job (an overlay that changes the data) is refused
 # before anything runs. Waits for READY first (default logs/h200/DATA_DONE, which
 # benchmarks/run.sh writes after its data phase) at most WAIT_S (3600) seconds.
 # Knobs: RUN_ROOT (the run's working directory, default this checkout), CORES (8), SNAKEMAKE (as benchmarks/h200_steps.sh picks it), DRY_RUN=1 (the plan only).

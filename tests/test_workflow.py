@@ -188,9 +188,12 @@ def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone
     sibling working directory; an overlay that would change the data is refused."""
     import sys
 
-    workdir, config = finished_run
+    source, config = finished_run
+    workdir = tmp_path / "run"  # a copy: the arm's workflow leaves its marker in the linked hidden dir
+    shutil.copytree(source, workdir, symlinks=True)
     run_train = workdir / "results" / "tiny" / "train"
     before = {p: p.stat().st_mtime_ns for p in run_train.rglob("*") if p.is_file()}
+    shards_before = snapshot(hidden_dir(workdir))
     lr = tmp_path / "lr.yaml"
     lr.write_text("train:\n  lr: 0.001\n")
     data = tmp_path / "data.yaml"
@@ -219,6 +222,9 @@ def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone
     arm_weights = (arm / "train" / "drafter" / "model.safetensors").read_bytes()
     assert arm_weights != (run_train / "drafter" / "model.safetensors").read_bytes()
     assert {p: p.stat().st_mtime_ns for p in run_train.rglob("*") if p.is_file()} == before
+    # the run's shards read, not touched; the arm's workflow named itself in the linked directory
+    assert snapshot(hidden_dir(workdir)) == shards_before
+    assert (hidden_dir(workdir) / ".eaglenest-hidden-states").exists()
 
 
 def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_run, tmp_path):
