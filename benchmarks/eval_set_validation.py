@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from heldout_validation import build_run, print_row, run_overlay  # noqa: E402
+from heldout_validation import build_run, run_overlay, score_drafters  # noqa: E402
 
-from eaglenest.layout import RunLayout, eval_set_path  # noqa: E402
+from eaglenest.layout import eval_set_path  # noqa: E402
 from eaglenest.node.recon.config import load_config  # noqa: E402
-from eaglenest.stages import evaluate, prepare, train  # noqa: E402
+from eaglenest.stages import evaluate, prepare  # noqa: E402
 
 
 def references(chunks_dir: Path) -> list[dict]:
@@ -120,16 +120,7 @@ def main(argv=None) -> int:
             config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
                                work / f"{overlay['run']}.snakemake.log")
             timings[f"{dtype}_data_s"] = round(time.monotonic() - started, 1)
-            layout = RunLayout(config, args.directory)
-            consolidated = [layout.consolidated(name) for name in ("index.json", "draft_vocab.safetensors", "split.json")]
-            settings = {**config["train"], "rows_per_step": 1, "token_budget": config["data"]["max_len"]}
-            for name, drafter in drafters.items():
-                started = time.monotonic()
-                result = train.validate_drafter(drafter, *consolidated, args.directory / config["target"]["path"],
-                                                settings, split="all")
-                timings[f"{dtype}_{name}_s"] = round(time.monotonic() - started, 1)
-                rows.append({"drafter": name, "path": drafter, "answers": dtype, "run": config["run"], **result})
-                print_row(rows[-1])
+            rows += score_drafters(config, args.directory, drafters, 1, dtype, timings)
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
              "eval_set": args.eval_set, "references": str(args.references), "prompts": len(rows_in),
              "answers_token_for_token": exact, "answer_tokens": answer_tokens, "configs": args.config, "seconds": timings, "rows": rows}

@@ -130,17 +130,8 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
         config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
                            args.work / f"{version}.snakemake.log")
         timings[f"{version}_data_s"] = round(time.monotonic() - started, 1)
-        layout = RunLayout(config, args.directory)
-        consolidated = {name: layout.consolidated(name) for name in ("index.json", "draft_vocab.safetensors", "split.json")}
-        settings = {**config["train"], "rows_per_step": args.rows_per_step, "token_budget": config["data"]["max_len"]}
-        for name, drafter in drafters.items():
-            started = time.monotonic()
-            result = train.validate_drafter(drafter, *consolidated.values(), args.directory / config["target"]["path"],
-                                            settings, split="all")
-            timings[f"{version}_{name}_s"] = round(time.monotonic() - started, 1)
-            rows.append({"drafter": name, "path": drafter, "answers": version, "run": config["run"],
-                         "conversations": len(conversations), **result})
-            print_row(rows[-1])
+        for row in score_drafters(config, args.directory, drafters, args.rows_per_step, version, timings):
+            rows.append({**row, "conversations": len(conversations)})
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
              "device": args.device, "split": str(args.split), "offset": args.offset, "count": args.count,
              "configs": args.config,
@@ -149,6 +140,25 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
     args.out.write_text(json.dumps(table, indent=1))
     print(f"-> {args.out}")
     return 0
+
+
+def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows_per_step: int, answers: str,
+                   timings: dict) -> list[dict]:
+    """Every drafter scored on every sample of a run the workflow made (``config``, as
+    :func:`build_run` returns it): a row per drafter, printed as it comes; each one's seconds
+    into ``timings`` as ``<answers>_<name>_s``."""
+    layout = RunLayout(config, directory)
+    consolidated = [layout.consolidated(name) for name in ("index.json", "draft_vocab.safetensors", "split.json")]
+    settings = {**config["train"], "rows_per_step": rows_per_step, "token_budget": config["data"]["max_len"]}
+    rows = []
+    for name, drafter in drafters.items():
+        started = time.monotonic()
+        result = train.validate_drafter(drafter, *consolidated, directory / config["target"]["path"], settings,
+                                        split="all")
+        timings[f"{answers}_{name}_s"] = round(time.monotonic() - started, 1)
+        rows.append({"drafter": name, "path": drafter, "answers": answers, "run": config["run"], **result})
+        print_row(rows[-1])
+    return rows
 
 
 def print_row(row: dict) -> None:
