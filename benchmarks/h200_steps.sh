@@ -1,4 +1,4 @@
-# Sourced by the GPU-node drivers (benchmarks/run.sh, benchmarks/h200_*.sh): each step's log, wall time and exit status.
+# Sourced by the GPU-node drivers (benchmarks/run.sh, benchmarks/h200_*.sh, benchmarks/train_beside.sh): each step's log, wall time and exit status, and setting (a value from config files).
 # Sourced first, it also moves to the checkout (REPO), makes logs/h200/ and puts the checkout on
 # PYTHONPATH: the node's own Python runs everything, eaglenest imported from this checkout.
 set -u
@@ -23,4 +23,15 @@ wait_for() { # file, seconds: until the file exists (status 1 when it never appe
   local i
   for i in $(seq 1 "$2"); do [ -e "$1" ] && return 0; sleep 1; done
   return 1
+}
+setting() { # section key config files...: the value the last file that sets it gives
+  python3 - "$@" <<'PY'
+import sys, yaml
+section, key, value = sys.argv[1], sys.argv[2], ""
+for path in sys.argv[3:]:
+    config = yaml.safe_load(open(path)) or {}
+    scope = config if section == "-" else (config.get(section) or {})
+    value = scope.get(key, value) or value
+print(value)
+PY
 }

@@ -56,17 +56,6 @@ mkdir -p $BENCH
 rm -f logs/h200/DATA_DONE logs/h200/EXPORTED logs/h200/DONE logs/h200/BENCH_DONE
 echo "${RUN[*]}" >logs/h200/config.txt
 echo "$(stamp) configs: ${RUN[*]}" >>logs/h200/progress.log
-setting() { # section key config files...: the value the last file that sets it gives
-  python3 - "$@" <<'PY'
-import sys, yaml
-section, key, value = sys.argv[1], sys.argv[2], ""
-for path in sys.argv[3:]:
-    config = yaml.safe_load(open(path)) or {}
-    scope = config if section == "-" else (config.get(section) or {})
-    value = scope.get(key, value) or value
-print(value)
-PY
-}
 RUN_DIR=results/$(setting - run "${RUN[@]}")
 TARGET_DIR=$(setting target path "${RUN[@]}")
 # A warm start (train.init_from) needs its drafter before anything runs; WARM_START_WAIT_S

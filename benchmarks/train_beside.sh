@@ -30,14 +30,7 @@ note() { echo "$(stamp) $*" | tee -a "$WORKDIR/beside.log" >&2; }
 finish() { echo "$1" >"$WORKDIR/DONE"; note "done rc=$1"; exit "$1"; }
 CONFIGS=()
 for f in "$@"; do case $f in /*) CONFIGS+=("$f") ;; *) CONFIGS+=("$REPO/$f") ;; esac; done
-RUN=$(python3 - "${CONFIGS[@]}" <<'PY'
-import sys, yaml
-run = ""
-for path in sys.argv[1:]:
-    run = (yaml.safe_load(open(path)) or {}).get("run", run)
-print(run)
-PY
-)
+RUN=$(setting - run "${CONFIGS[@]}")
 [ -n "$RUN" ] || { note "no run: in the config files"; finish 2; }
 READY="${READY:-logs/h200/DATA_DONE}"
 if [ "${DRY_RUN:-0}" != 1 ] && ! wait_for "$READY" "${WAIT_S:-3600}"; then

@@ -514,9 +514,8 @@ def test_warm_start_widens_a_narrower_mlp_to_the_same_function_and_refuses_narro
         **SETTINGS, "epochs": 2, "drafter": {"intermediate_size": 8}}})
     start = final_weights(narrow / "drafter")
     wide_run = tmp_path / "wide"
-    train.train(**{**arguments(tiny_run, wide_run, epochs=1, lr=1e-20, init_from=str(narrow / "drafter")),
-                   "settings": {**SETTINGS, "epochs": 1, "lr": 1e-20, "init_from": str(narrow / "drafter"),
-                                "drafter": {"intermediate_size": 24}}})
+    train.train(**arguments(tiny_run, wide_run, epochs=1, lr=1e-20, init_from=str(narrow / "drafter"),
+                            drafter={"intermediate_size": 24}))
     wide = final_weights(wide_run / "drafter")
     assert wide["midlayer.mlp.down_proj.weight"].shape[1] == 24
     for name in ("gate_proj", "up_proj"):
