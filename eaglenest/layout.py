@@ -97,6 +97,15 @@ class RunLayout:
     def ingest_report(self) -> str:
         return self.run_path("data", "ingest_report.json")
 
+    def source_path(self, source: dict) -> str:
+        """A data source's file: the user's path, or where rule synthesize_prompts writes it."""
+        if source.get("synthesize"):
+            return self.synthesized_path(f"{source['name']}.jsonl")
+        return source["path"]
+
+    def synthesized_path(self, *parts: str) -> str:
+        return self.run_path("data", "synthesized", *parts)
+
     def regenerated_path(self, *parts: str) -> str:
         return self.run_path("regenerated", plan.regeneration_key(self.config), *parts)
 
@@ -124,6 +133,10 @@ class RunLayout:
     def regenerate_server_record(self) -> str:
         """The service record of the one server all regenerate jobs use (rule regenerate_server)."""
         return self.run_path("sglang", "regenerate.json")
+
+    def synthesize_server_record(self) -> str:
+        """The service record of the server that writes synthesized prompts (rule synthesize_server)."""
+        return self.run_path("sglang", "synthesize.json")
 
     def evaluate_server_record(self, setting: str) -> str:
         """The service record of the evaluation server of one drafting setting, or of the plain

@@ -33,7 +33,9 @@ def sample_selection(config: dict) -> dict:
     """
     data = config["data"]
     return {
-        "sources": [s["name"] for s in data["sources"]],
+        # a synthesized source's prompts are decided by its settings, so they are part of it
+        "sources": [{"name": s["name"], "synthesize": dict(s["synthesize"])} if s.get("synthesize") else s["name"]
+                    for s in data["sources"]],
         "max_conversations": data["max_conversations"],
         "samples_per_shard": data["samples_per_shard"],
         "leading_assistant": data.get("leading_assistant", "drop_turn"),

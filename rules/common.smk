@@ -156,6 +156,7 @@ REGENERATE_SERVER = (
     and config["regenerate"]["start_server"]
 )
 REGENERATE_GROUP = "regenerate_node" if REGENERATE_SERVER else None
+SYNTHESIZE_GROUP = "synthesize_node" if REGENERATE_SERVER else None
 
 
 def regenerate_server(wildcards):
@@ -163,6 +164,13 @@ def regenerate_server(wildcards):
     if not REGENERATE_SERVER:
         return {}
     return {"server": service(LAYOUT.regenerate_server_record())}
+
+
+def synthesize_server(wildcards):
+    """A synthesize job's server (rule synthesize_server), as regenerate_server's."""
+    if not REGENERATE_SERVER:
+        return {}
+    return {"server": service(LAYOUT.synthesize_server_record())}
 
 
 def regenerate_threads():
@@ -217,8 +225,8 @@ def server_state_dir(wildcards, output):
     # Of the output too, like untracked_param: where the logs go is no reason to rerun.
     if "setting" in wildcards.keys():
         return log_path("sglang", "evaluate", wildcards.setting)
-    if "block" not in wildcards.keys():
-        return log_path("sglang", "regenerate")
+    if "block" not in wildcards.keys():  # regenerate or synthesize: its record's name
+        return log_path("sglang", Path(output[0]).stem)
     return log_path("sglang", f"block-{wildcards.block}")
 
 
@@ -251,10 +259,43 @@ def source_inputs():
     """Source files as inputs. A source the user brings and has not put in place yet is
     left out so that `snakemake -n` can still plan the run; ingest then names it."""
     return [
-        source["path"]
+        LAYOUT.source_path(source)
         for source in config["data"]["sources"]
-        if source.get("embedded") or Path(source["path"]).exists()
+        if source.get("embedded")
+        or source.get("synthesize")
+        or Path(source["path"]).exists()
     ]
+
+
+def ingest_sources():
+    """data.sources as ingest reads them: a synthesized source with its file's path."""
+    return [
+        dict(source, path=LAYOUT.source_path(source))
+        for source in config["data"]["sources"]
+    ]
+
+
+def synthesized_source(wildcards):
+    """The data.sources entry rule synthesize_prompts writes (by its name)."""
+    for source in config["data"]["sources"]:
+        if source["name"] == wildcards.source and source.get("synthesize"):
+            return source
+    raise ValueError(
+        f"no synthesized source named {wildcards.source!r} in data.sources"
+    )
+
+
+def check_synthesized_sources():
+    """A synthesized source has prompts only: without regeneration nothing answers them."""
+    names = [s["name"] for s in config["data"]["sources"] if s.get("synthesize")]
+    if names and not config["regenerate"]["enabled"]:
+        raise ValueError(
+            f"data.sources {', '.join(names)}: synthesized prompts are answered by the "
+            "regenerate stage; set regenerate.enabled: true"
+        )
+
+
+check_synthesized_sources()
 
 
 def embedded_sources():

@@ -57,7 +57,7 @@ rule ingest:
     conda:
         "../envs/eaglenest.yaml"
     params:
-        sources=config["data"]["sources"],
+        sources=ingest_sources(),
         max_conversations=config["data"]["max_conversations"],
         leading_assistant=config["data"]["leading_assistant"],
     script:
@@ -119,6 +119,46 @@ rule regenerate_server:
         mode=untracked_param("serve"),
     shell:
         LAUNCHER_SHELL
+
+
+# Prompts the target writes itself (a data.sources entry with synthesize:), through the
+# regenerate section's backend: the same kind of SGLang server as rule regenerate_server
+# when that starts one, in a group of its own (ingest runs between the two).
+rule synthesize_prompts:
+    input:
+        unpack(synthesize_server),
+        target=target_model_input(),
+    output:
+        prompts=LAYOUT.synthesized_path("{source}.jsonl"),
+        report=LAYOUT.synthesized_path("{source}.report.json"),
+    log:
+        log_path("synthesize", "{source}.log"),
+    benchmark:
+        benchmark_path("synthesize", "{source}.tsv")
+    group:
+        SYNTHESIZE_GROUP
+    conda:
+        "../envs/eaglenest.yaml"
+    threads: regenerate_threads()
+    resources:
+        gpu=regenerate_gpus(),
+    params:
+        source=synthesized_source,
+        target_name=config["target"]["name"],
+        # the requests all regenerate jobs keep in flight together: one job has the server
+        in_flight=config["regenerate"]["concurrency"] * NUM_SHARDS,
+    script:
+        "../scripts/synthesize_prompts.py"
+
+
+use rule regenerate_server as synthesize_server with:
+    output:
+        service(LAYOUT.synthesize_server_record()),
+    log:
+        launcher=log_path("sglang", "synthesize", "launcher.log"),
+        server=log_path("sglang", "synthesize", "server.log"),
+    group:
+        "synthesize_node"
 
 
 rule regenerate_report:

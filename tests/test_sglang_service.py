@@ -398,6 +398,45 @@ def test_the_regenerate_jobs_share_one_server_that_the_workflow_starts_in_serve_
 
 
 @pytest.mark.workflow
+def test_the_targets_own_prompts_come_from_a_server_of_their_own_then_the_regenerate_server_answers_them(
+        tmp_path, tiny_llama):
+    """A synthesized source through the workflow's servers: rule synthesize_server serves rule
+    synthesize_prompts and is stopped before ingest; then the regenerate jobs' server answers
+    the prompts with the rest. Neither server is started again by a rerun."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 10)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    spool = tmp_path / "spool"
+    configfile = tiny_workflow_config(
+        workdir, tiny_llama, conversations,
+        data={"max_conversations": 30, "samples_per_shard": 15},
+        extract={"sglang": {"spool_dir": str(spool)}},
+        regenerate={"enabled": True, "backend": "openai", "api": "generate", "max_new_tokens": 8, "concurrency": 2,
+                    "temperature": 0.8, "top_p": 0.95},
+    )
+    config = yaml.safe_load(configfile.read_text())
+    config["data"]["sources"].append({"name": "self", "synthesize": {"count": 20, "max_new_tokens": 64}})
+    configfile.write_text(yaml.safe_dump(config))
+    jobs = planned_jobs(workdir, configfile, "regenerate_report")
+    assert {k: jobs[k] for k in ("synthesize_server", "synthesize_prompts", "ingest", "regenerate_server", "regenerate")} == {
+        "synthesize_server": 1, "synthesize_prompts": 1, "ingest": 1, "regenerate_server": 1, "regenerate": 2}, jobs
+    run_snakemake(workdir, configfile, "--cores", "2", "regenerate_report")
+    logs = workdir / "logs" / "tiny"
+    servers = [json.loads((logs / "sglang" / name / "server.json").read_text()) for name in ("synthesize", "regenerate")]
+    for name in ("synthesize", "regenerate"):
+        launcher_log = (logs / "sglang" / name / "launcher.log").read_text()
+        assert launcher_log.count("ready: ") == 1 and "stopped: " in launcher_log, launcher_log
+    assert f"synthesis server ready at {servers[0]['url']} " in (logs / "synthesize" / "self.log").read_text()
+    assert_no_server_left(spool, servers)
+    made = json.loads((workdir / "results" / "tiny" / "data" / "synthesized" / "self.report.json").read_text())
+    (report_file,) = (workdir / "results" / "tiny" / "regenerated").rglob("regenerate_report.json")
+    report = json.loads(report_file.read_text())
+    assert made["backend"] == "openai" and made["kept"] > 0 and report["open_ended"] == made["kept"], (made, report)
+    assert report["failed"] == 0 and report["regenerated"] + report["beyond_max_len"] == report["turns"], report
+    assert planned_jobs(workdir, configfile, "regenerate_report") == {}
+
+
+@pytest.mark.workflow
 def test_the_gpu_regeneration_driver_plans_the_ceiling_server_and_the_workflows_regeneration(tmp_path, tiny_llama):
     """benchmarks/sglang_regenerate.sh with DRY_RUN=1: the plain server it would start for the
     ceiling (the launcher's serve-mode flags, no eaglenest code) and the jobs the workflow plans."""

@@ -289,7 +289,8 @@ def ingest(
 ) -> IngestReport:
     """Normalise every source into one conversations.jsonl, with a report of what was dropped.
 
-    ``sources``: dicts with ``name`` (namespace of sample ids) and ``path``.
+    ``sources``: dicts with ``name`` (namespace of sample ids) and ``path``; one with
+    ``synthesize`` holds prompts the target wrote, kept without an assistant turn.
     The first ``max_conversations`` valid conversations (in source order) are kept.
     """
     report = IngestReport()
@@ -306,7 +307,8 @@ def ingest(
             note["records"] += 1
             report.records_read += 1
             try:
-                record_id, messages, repairs = normalise(record, leading_assistant)
+                # a synthesized source holds prompts only: regenerate answers them
+                record_id, messages, repairs = normalise(record, leading_assistant, not source.get("synthesize"))
             except BadRecord as bad:
                 report.rejected[bad.reason] += 1
                 continue

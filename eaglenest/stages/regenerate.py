@@ -355,14 +355,15 @@ class OpenAIBackend:
     def prompt_length(self, messages: list[dict]) -> int:
         return len(self.prompt_ids(messages))
 
-    def _body(self, messages: list[dict], seed: int, streamed: bool) -> dict:
+    def _body(self, messages: list[dict] | None, seed: int, streamed: bool, input_ids: list[int] | None = None) -> dict:
         s = self.settings
         if s.api == "generate":  # SGLang's GenerateReqInput and SamplingParams
             sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
                         "stop_token_ids": self.stop_ids, "sampling_seed": seed}
             if streamed and s.stream_interval:  # over the server's --stream-interval, for this request
                 sampling["stream_interval"] = s.stream_interval
-            return {"input_ids": self.prompt_ids(messages), "stream": streamed, "sampling_params": sampling}
+            ids = self.prompt_ids(messages) if input_ids is None else input_ids
+            return {"input_ids": ids, "stream": streamed, "sampling_params": sampling}
         body = {"model": self.model_name, "messages": messages, "temperature": s.temperature, "top_p": s.top_p,
                 "max_tokens": s.max_new_tokens, "seed": seed}
         if streamed:
@@ -388,10 +389,10 @@ class OpenAIBackend:
         text = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
         return Generation(text, finish_reason, completion_tokens, generated_tokens=completion_tokens)
 
-    def _request(self, messages: list[dict], seed: int) -> Generation:
+    def _request(self, messages: list[dict] | None, seed: int, input_ids: list[int] | None = None) -> Generation:
         s = self.settings
         streamed = s.stream and s.repetition_stop >= 2
-        body = self._body(messages, seed, streamed)
+        body = self._body(messages, seed, streamed, input_ids)
         error = None
         for attempt in range(1, s.retries + 2):
             if streamed:  # a request id of its own per attempt, so that an abort names this one
@@ -505,6 +506,10 @@ class OpenAIBackend:
         """One turn's answer (the server batches the requests in flight)."""
         return self._request(messages, seed)
 
+    def complete_ids(self, input_ids: list[int], seed: int) -> Generation:
+        """The continuation of raw token ids (``api: generate`` only), e.g. a user turn's opening."""
+        return self._request(None, seed, input_ids)
+
 
 def make_backend(model_path, settings: Settings, model_name: str, threads: int = 1):
     if settings.backend == "transformers":
@@ -531,6 +536,13 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
         {"sample_id": c["sample_id"], "messages": [dict(m) for m in c["messages"]], "regenerated_turns": []}
         for c in conversations
     ]
+    # A conversation that ends in a user turn (a synthesized prompt) gets one more answer; with
+    # no original text to keep, a failed or unfitting final answer drops it.
+    open_ended = set()
+    for index, c in enumerate(work):
+        if c["messages"][-1]["role"] == "user":
+            c["messages"].append({"role": "assistant", "content": ""})
+            open_ended.add(index)
     assistant_turns = [[k for k, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in work]
     counts = {"turns": sum(len(t) for t in assistant_turns), "regenerated": 0, "beyond_max_len": 0, "failed": 0,
               "skipped_after_drop": 0, "finished_by_length": 0, "stopped_by_repetition": 0, "new_tokens": 0,
@@ -608,6 +620,8 @@ def regenerate_conversations(conversations: list[dict], backend, settings: Setti
             for (index, k), generation in zip(jobs, generations):
                 record(index, k, generation)
             log.info("wave %d: %d prompts", wave, len(jobs))
+    dropped |= {i for i in open_ended if not work[i]["messages"][-1]["content"]}
+    counts["open_ended"] = len(open_ended)
     kept = [c for i, c in enumerate(work) if i not in dropped]
     counts["seconds"] = round(time.monotonic() - started, 3)
     if hasattr(backend, "timing"):
@@ -655,7 +669,7 @@ def totals(reports: list[dict]) -> dict:
     """The shard reports' counts summed (a report older than a count has 0 of it)."""
     return {key: sum(report.get(key, 0) for report in reports) for key in (
         "conversations_in", "conversations_out", "turns", "regenerated", "beyond_max_len", "failed", "skipped_after_drop",
-        "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried")}
+        "finished_by_length", "stopped_by_repetition", "new_tokens", "generated_tokens", "retried", "open_ended")}
 
 
 def summarize(report_paths: list[str | os.PathLike], summary_path: str | os.PathLike) -> dict:

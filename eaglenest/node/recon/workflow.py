@@ -259,7 +259,7 @@ def check_workflow(config: dict, workdir: Path, deep: bool = False, repo: Path =
     prepared_missing = [i for i in range(num_shards) if _shard_name(i) not in prepared_mtimes]
     ingest_outputs = [Path(paths.conversations()), Path(paths.ingest_report())]
     consolidate_outputs = [Path(p) for p in paths.consolidated_files()]
-    source_paths = [workdir / s["path"] for s in config["data"]["sources"]]
+    source_paths = [workdir / paths.source_path(s) for s in config["data"]["sources"]]
 
     def stale(outputs: list[Path], input_mtimes: Iterable[float]) -> bool:
         """Snakemake's mtime trigger: an output is missing or older than an input."""

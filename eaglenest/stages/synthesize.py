@@ -1,0 +1,171 @@
+"""Synthesize: user prompts written by the target itself (a source of ``data.sources``).
+
+A chat model fine-tuned on conversations has learned what follows the template's opening of
+a user turn: a user's request. Sent only that opening (the rendered template up to where the
+user's text starts, the "pre-query"), the target writes a user prompt and ends it with the
+template's end-of-turn token. This is the Magpie method; its reference code samples the
+instruction at temperature 1.0 and top-p 1.0 (magpie-align/magpie ``exp/gen_ins.py:21-22`` at
+1023808, the script ``scripts/magpie.sh:3-4`` at 56c0fb8 uses 0.99 and 1.1) and answers it
+greedily (``scripts/magpie.sh:6``). Here the answers come from the regenerate stage, which
+treats a conversation that ends in a user turn as one more turn to answer.
+
+Why: the drafter learns the target's answers to whatever prompts the data holds. Prompts the
+target writes follow the distribution of its own fine-tuning data rather than one web source's.
+
+The pre-query is the template's own rendering of a user turn, the default system turn
+included where the template adds one (SmolLM2's does): the opening every served
+conversation starts with. A prompt is kept when the target ended it itself, it holds
+text, it is no loop (``regenerate.repetition_stop``) and no earlier prompt had the same
+text; every other outcome is counted in the report.
+
+Output (docs/formats.md): JSONL of ``{"id", "messages": [{"role": "user", "content"}]}`` in
+order of the prompt's index, and a JSON report; both written atomically, the report first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from eaglenest import settings as settings_lib
+from eaglenest.formats import atomic
+from eaglenest.stages.prepare import TemplateError, render
+from eaglenest.stages.regenerate import Generation, OpenAIBackend, Settings as RegenerateSettings, make_backend
+
+log = logging.getLogger(__name__)
+
+PROBE = "EAGLENEST_USER_PROBE"
+
+
+@dataclasses.dataclass
+class Settings:
+    """The ``synthesize`` object of a ``data.sources`` entry; config/schema.yaml holds every default."""
+
+    count: int
+    seed: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    @classmethod
+    def from_config(cls, section: dict) -> "Settings":
+        node = settings_lib.section_schema("data", "sources")["items"]["properties"]["synthesize"]
+        unknown = set(section) - set(node["properties"])
+        if unknown:
+            raise ValueError(f"unknown synthesize setting(s): {', '.join(sorted(unknown))}")
+        defaults = {key: spec["default"] for key, spec in node["properties"].items() if "default" in spec}
+        return cls(**{**defaults, **section})
+
+
+def pre_query_ids(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user's first message starts."""
+    text = render(tokenizer, [{"role": "user", "content": PROBE}], add_generation_prompt=False)
+    if text.count(PROBE) != 1:
+        raise TemplateError("the chat template does not render a user message verbatim")
+    prefix = text[: text.index(PROBE)]
+    if not prefix:
+        raise TemplateError("the chat template puts nothing before a user message: no pre-query to send")
+    return tokenizer(prefix, add_special_tokens=False)["input_ids"]
+
+
+def normalised(text: str) -> str:
+    """The text as duplicates are judged: case and runs of white space ignored."""
+    return " ".join(text.split()).casefold()
+
+
+def sampling(transport: RegenerateSettings, settings: Settings) -> RegenerateSettings:
+    """The regenerate section's transport (backend, server, retries) with the prompts' sampling."""
+    return dataclasses.replace(transport, temperature=settings.temperature, top_p=settings.top_p,
+                               max_new_tokens=settings.max_new_tokens)
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    # Each prompt its own seed: a prompt does not change with the count or what runs beside it.
+    return (seed * 1_000_003 + index) % 2**31
+
+
+def generate(backend, prefix: list[int], count: int, seed: int, concurrency: int) -> list[Generation]:
+    """``count`` continuations of ``prefix``, each sampled with ``prompt_seed``."""
+    if isinstance(backend, OpenAIBackend):
+        def one(index: int) -> Generation:
+            return backend.complete_ids(prefix, prompt_seed(seed, index))
+
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            return list(pool.map(one, range(count)))
+    # transformers: equal prompts, so a batch is rows of the same ids with no padding
+    rows = backend.settings.batch_rows
+    out: list[Generation] = []
+    for start in range(0, count, rows):
+        n = min(rows, count - start)
+        out += backend._generate_group([list(prefix)] * n, prompt_seed(seed, start))
+    return out
+
+
+def synthesize_prompts(
+    output_path: str | os.PathLike,
+    report_path: str | os.PathLike,
+    source_name: str,
+    settings: Settings,
+    transport: RegenerateSettings,
+    model_path: str | os.PathLike,
+    model_name: str,
+    threads: int = 1,
+    concurrency: int | None = None,
+) -> dict:
+    """Write ``settings.count`` prompts' survivors and the report. ``concurrency``: requests in
+    flight on a server (default ``transport.concurrency``)."""
+    if transport.backend == "openai" and transport.api != "generate":
+        raise ValueError("synthesized prompts need regenerate.api: generate (token ids in, no chat template applied)")
+    started = time.monotonic()
+    backend = make_backend(model_path, sampling(transport, settings), model_name, threads)
+    prefix = pre_query_ids(backend.tokenizer)
+    generations = generate(backend, prefix, settings.count, settings.seed, concurrency or transport.concurrency)
+    counts = {"requested": settings.count, "kept": 0, "failed": 0, "empty": 0, "unfinished": 0, "looped": 0,
+              "duplicates": 0, "generated_tokens": 0, "kept_tokens": 0}
+    seen, records, errors = set(), [], []
+    for index, generation in enumerate(generations):
+        counts["generated_tokens"] += generation.generated_tokens
+        reason = outcome(generation)
+        if reason == "kept" and normalised(generation.text) in seen:
+            reason = "duplicates"
+        counts[reason] += 1
+        if reason == "failed":
+            errors.append({"index": index, "attempts": generation.attempts, "error": generation.error})
+        if reason != "kept":
+            continue
+        seen.add(normalised(generation.text))
+        counts["kept_tokens"] += generation.new_tokens
+        records.append({"id": str(index), "messages": [{"role": "user", "content": generation.text}]})
+    report = {
+        "source": source_name,
+        "target": model_name,
+        "backend": transport.backend,
+        "settings": dataclasses.asdict(settings),
+        "repetition_stop": transport.repetition_stop,
+        "pre_query_tokens": len(prefix),
+        **counts,
+        "seconds": round(time.monotonic() - started, 3),
+        "failures": errors,
+    }
+    if not records:
+        raise RuntimeError(f"no prompt kept out of {settings.count}: {counts}")
+    atomic.write_json(report_path, report)
+    atomic.write_text(output_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return report
+
+
+def outcome(generation: Generation) -> str:
+    """Which count a generated prompt adds to."""
+    if generation.text is None and generation.error:
+        return "failed"
+    if generation.finish_reason == "repetition":
+        return "looped"
+    if generation.finish_reason == "length":
+        return "unfinished"
+    if not (generation.text or "").strip():
+        return "empty"
+    return "kept"
