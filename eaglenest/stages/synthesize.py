@@ -4,9 +4,9 @@ A chat model fine-tuned on conversations has learned what follows the template's
 a user turn: a user's request. Sent only that opening (the rendered template up to where the
 user's text starts, the "pre-query"), the target writes a user prompt and ends it with the
 template's end-of-turn token. This is the Magpie method; its reference code samples the
-instruction at temperature 1.0 and top-p 1.0 (magpie-align/magpie ``exp/gen_ins.py:21-22`` at
-1023808, the script ``scripts/magpie.sh:3-4`` at 56c0fb8 uses 0.99 and 1.1) and answers it
-greedily (``scripts/magpie.sh:6``). Here the answers come from the regenerate stage, which
+instruction at temperature 1.0 and top-p 1.0 (magpie-align/magpie at b734a36,
+``exp/gen_ins.py:26-27``, ``scripts/magpie.sh:3-4``) and answers it greedily
+(``scripts/magpie.sh:6``). Here the answers come from the regenerate stage, which
 treats a conversation that ends in a user turn as one more turn to answer.
 
 Why: the drafter learns the target's answers to whatever prompts the data holds. Prompts the
