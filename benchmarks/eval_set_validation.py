@@ -16,6 +16,10 @@ ones the evaluator gives it.
         --config config/h200-smollm2.yaml --config config/h200/own-answers.yaml \\
         --dtype float8_e4m3 --dtype float32 --cores 2 --out benchmarks/results/eval_set_validation_<date>.json
 
+With ``--conversations FILE`` in place of ``--references``, the conversations are ones the target
+answered as the regenerate stage writes them (e.g. its greedy answers to prompts it wrote itself,
+``data.sources`` with ``synthesize:``), scored as they stand.
+
 Prints one row per (dtype, drafter) and writes them to ``--out`` as JSON, with how many answers
 the chat template gives back token for token (the rest differ in a token or two at the joins).
 """
@@ -80,7 +84,10 @@ def conversations(eval_set: str, prompts_path: Path, refs: list[dict], tokenizer
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eval-set", default="mt_bench", help="mt_bench or humaneval")
-    parser.add_argument("--references", type=Path, required=True, help="the evaluator's reference chunks folder")
+    parser.add_argument("--references", type=Path, default=None, help="the evaluator's reference chunks folder")
+    parser.add_argument("--conversations", type=Path, default=None,
+                        help="instead of --references: conversations the target answered, as the regenerate stage "
+                             "writes them (JSONL with sample_id and messages), e.g. its answers to prompts it wrote")
     parser.add_argument("--prompts", type=Path, default=None,
                         help="the set's prompts file (default: where the workflow fetches the set, resources/eval/)")
     parser.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
@@ -92,8 +99,11 @@ def main(argv=None) -> int:
     parser.add_argument("--directory", type=Path, default=REPO, help="the workflow's working directory")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if (args.references is None) == (args.conversations is None):
+        parser.error("give --references (an eval set's) or --conversations (answered conversations)")
     drafters = {name: str(Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.drafter)}
-    args.references, args.out = args.references.resolve(), args.out.resolve()
+    args.out = args.out.resolve()
+    source = (args.references or args.conversations).resolve()
     args.prompts = args.prompts.resolve() if args.prompts else None
     args.directory = args.directory.resolve()
     args.config = [str(Path(config).resolve()) for config in args.config]
@@ -102,8 +112,14 @@ def main(argv=None) -> int:
     with contextlib.chdir(args.directory):
         base = load_config(args.directory, args.config)
         tokenizer = prepare.load_tokenizer(base["target"]["path"])
-        prompts = args.prompts or Path(eval_set_path(args.eval_set))
-        rows_in, exact, answer_tokens = conversations(args.eval_set, prompts, references(args.references), tokenizer)
+        if args.conversations:
+            args.eval_set = args.conversations.stem  # names the run; its rows keep their sample ids
+            rows_in = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+            rows_in = [{"sample_id": row["sample_id"], "messages": row["messages"]} for row in rows_in]
+            exact, answer_tokens = None, None
+        else:
+            prompts = args.prompts or Path(eval_set_path(args.eval_set))
+            rows_in, exact, answer_tokens = conversations(args.eval_set, prompts, references(source), tokenizer)
         path = work / f"{args.eval_set}.jsonl"
         path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_in))
         # A run of its own per set of conversations: the workflow does not re-extract a shard
@@ -122,7 +138,7 @@ def main(argv=None) -> int:
             timings[f"{dtype}_data_s"] = round(time.monotonic() - started, 1)
             rows += score_drafters(config, args.directory, drafters, 1, dtype, timings)
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-             "eval_set": args.eval_set, "references": str(args.references), "prompts": len(rows_in),
+             "eval_set": args.eval_set, "references": str(source), "prompts": len(rows_in),
              "answers_token_for_token": exact, "answer_tokens": answer_tokens, "configs": args.config, "seconds": timings, "rows": rows}
     args.out.write_text(json.dumps(table, indent=1))
     print(f"-> {args.out}")

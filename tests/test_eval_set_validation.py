@@ -80,3 +80,36 @@ def test_references_become_conversations_scored_per_dtype_for_every_drafter(tmp_
     assert [row["messages"][0]["content"] for row in rows] == texts
     assert [tokenizer(row["messages"][1]["content"], add_special_tokens=False)["input_ids"] for row in rows] == [
         p["tokens"][:p["output_length"] - 1] for p in per_prompt]
+
+
+@pytest.mark.workflow
+def test_answered_conversations_are_scored_as_they_are(tmp_path, tiny_llama):
+    """--conversations: conversations the regenerate stage wrote (e.g. the target's answers to
+    prompts it wrote itself) scored as they stand, every assistant turn's tokens counted."""
+    import eval_set_validation
+
+    rows = [{"sample_id": f"self:{k}", "regenerated_turns": [1],
+             "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]}
+            for k, (text, answer) in enumerate([("Tell me a story.", "once upon a time " * 4),
+                                                ("What is rain?", "water that falls from clouds")])]
+    answered = tmp_path / "shard-00000.jsonl"
+    answered.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tiny_workflow_config(workdir, tiny_llama, synthetic_conversations(tmp_path / "synthetic.jsonl", 4),
+                                      consolidate={"draft_vocab_size": 320})
+    drafter = full_vocab_drafter(tiny_llama, tmp_path / "drafter", 1)
+    out = tmp_path / "validation.json"
+    common = ["--drafter", f"one={drafter}", "--config", str(configfile), "--cores", "2", "--directory", str(workdir),
+              "--out", str(out)]
+    with pytest.raises(SystemExit):  # one source of answers, not both
+        eval_set_validation.main(["--conversations", str(answered), "--references", str(tmp_path), *common])
+    assert eval_set_validation.main(["--conversations", str(answered), *common]) == 0
+    table = json.loads(out.read_text())
+    assert table["prompts"] == 2 and table["answers_token_for_token"] is None
+    (row,) = table["rows"]
+    index = json.loads((workdir / "results" / row["run"] / "consolidated" / "index.json").read_text())
+    assert index["totals"]["samples"] == 2 and row["positions"][0] > 0
+    written = [json.loads(line) for line in
+               (workdir / "results" / "eval-set-validation" / "shard-00000.jsonl").read_text().splitlines()]
+    assert written == [{"sample_id": r["sample_id"], "messages": r["messages"]} for r in rows]
