@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +34,6 @@ from eaglenest import settings as settings_lib
 from eaglenest.formats import atomic
 from eaglenest.stages.prepare import TemplateError, render
 from eaglenest.stages.regenerate import Generation, OpenAIBackend, Settings as RegenerateSettings, make_backend
-
-log = logging.getLogger(__name__)
 
 PROBE = "EAGLENEST_USER_PROBE"
 
@@ -84,7 +81,8 @@ def sampling(transport: RegenerateSettings, settings: Settings) -> RegenerateSet
 
 
 def prompt_seed(seed: int, index: int) -> int:
-    # Each prompt its own seed: a prompt does not change with the count or what runs beside it.
+    # On a server each prompt has its own seed (a prompt does not change with the count or what
+    # runs beside it); in process each batch, from its first prompt's index.
     return (seed * 1_000_003 + index) % 2**31
 
 
