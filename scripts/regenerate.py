@@ -3,8 +3,6 @@
 The shard's answers are defined by the settings in the directory key; device, batch
 sizes, URL and concurrency come from the config and only change speed.
 """
-import contextlib
-import dataclasses
 import logging
 
 from eaglenest.node import gpu_slots, joblog
@@ -15,18 +13,10 @@ from eaglenest.sglang import launch as sglang_launch  # noqa: E402
 from eaglenest.stages import regenerate  # noqa: E402
 
 joblog.to_file(snakemake.log[0])
-section = snakemake.config["regenerate"]
-settings = regenerate.Settings.from_config(section)
-if "server" in snakemake.input.keys():
-    # The server rule regenerate_server started beside this job: wait until it is loaded.
-    timeout_s = snakemake.config["extract"]["sglang"]["startup_timeout_s"]
-    record = sglang_launch.wait_for_service(snakemake.input.server, timeout_s)
-    settings = dataclasses.replace(settings, url=record["url"])
-    logging.info("regeneration server ready at %s (pid %s)", record["url"], record["server_pid"])
-gpus = int(snakemake.resources.get("gpu", 0) or 0)
+settings = sglang_launch.served(regenerate.Settings.from_config(snakemake.config["regenerate"]), snakemake.input,
+                                snakemake.config, "regeneration")
 # Same slot pool as extraction: Snakemake counts GPUs but does not pick one.
-slot = gpu_slots.gpu_slots(gpus) if gpus > 0 and settings.backend == "transformers" else contextlib.nullcontext()
-with slot:
+with gpu_slots.job_slots(int(snakemake.resources.get("gpu", 0) or 0), settings.backend == "transformers"):
     report = regenerate.regenerate_shard(
         snakemake.input.conversations,
         snakemake.output.conversations,

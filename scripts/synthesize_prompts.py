@@ -1,6 +1,4 @@
 """Prompts the target writes itself, for one synthesized data source (rule synthesize_prompts)."""
-import contextlib
-import dataclasses
 import logging
 
 from eaglenest.node import gpu_slots, joblog
@@ -11,16 +9,9 @@ from eaglenest.sglang import launch as sglang_launch  # noqa: E402
 from eaglenest.stages import regenerate, synthesize  # noqa: E402
 
 joblog.to_file(snakemake.log[0])
-transport = regenerate.Settings.from_config(snakemake.config["regenerate"])
-if "server" in snakemake.input.keys():
-    # The server rule synthesize_server started beside this job: wait until it is loaded.
-    timeout_s = snakemake.config["extract"]["sglang"]["startup_timeout_s"]
-    record = sglang_launch.wait_for_service(snakemake.input.server, timeout_s)
-    transport = dataclasses.replace(transport, url=record["url"])
-    logging.info("synthesis server ready at %s (pid %s)", record["url"], record["server_pid"])
-gpus = int(snakemake.resources.get("gpu", 0) or 0)
-slot = gpu_slots.gpu_slots(gpus) if gpus > 0 and transport.backend == "transformers" else contextlib.nullcontext()
-with slot:
+transport = sglang_launch.served(regenerate.Settings.from_config(snakemake.config["regenerate"]), snakemake.input,
+                                 snakemake.config, "synthesis")
+with gpu_slots.job_slots(int(snakemake.resources.get("gpu", 0) or 0), transport.backend == "transformers"):
     report = synthesize.synthesize_prompts(
         snakemake.output.prompts,
         snakemake.output.report,

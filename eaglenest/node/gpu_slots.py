@@ -147,6 +147,11 @@ def gpu_slots(count: int = 1, devices: list[str] | None = None, lock_dir=None, t
         slots.release()
 
 
+def job_slots(count: int, in_process: bool):
+    """A job's slots when it runs its model in process; none for a client of a server (which holds them)."""
+    return gpu_slots(count) if count > 0 and in_process else contextlib.nullcontext()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m eaglenest.node.gpu_slots [--gpus N] [--devices 0,1] -- command ...``: run a command on held slots."""
     import argparse

@@ -47,7 +47,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
+import logging
 import os
 import random
 import secrets
@@ -361,6 +363,16 @@ def _launcher_died(record: dict) -> bool:
         return "\nState:\tZ" in Path(f"/proc/{record['launcher_pid']}/status").read_text()
     except FileNotFoundError:
         return True
+
+
+def served(settings, inputs, config: dict, what: str):
+    """A client stage's ``settings`` (with a ``url``) pointed at the server Snakemake started beside
+    the job (its input ``server``) once that server is loaded; as they are when the job has none."""
+    if "server" not in inputs.keys():
+        return settings
+    record = wait_for_service(inputs.server, config["extract"]["sglang"]["startup_timeout_s"])
+    logging.info("%s server ready at %s (pid %s)", what, record["url"], record["server_pid"])
+    return dataclasses.replace(settings, url=record["url"])
 
 
 def wait_for_service(path: str | os.PathLike, startup_timeout_s: float, poll_s: float = 1.0) -> dict:
