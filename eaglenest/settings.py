@@ -82,10 +82,15 @@ def _partial(node: dict) -> dict:
 def section(given: dict | None, *path: str) -> dict:
     """``given`` (a whole or partial config section) checked against the schema and completed
     with its defaults; an unknown key or a bad value raises ValueError naming the section."""
+    return checked(given, _partial(section_schema(*path)), ".".join(path))
+
+
+def checked(given: dict | None, node: dict, name: str) -> dict:
+    """``given`` checked against the schema ``node`` and completed with its defaults; an unknown
+    key, a missing required one or a bad value raises ValueError naming ``name``."""
     instance = copy.deepcopy(dict(given or {}))
-    errors = validate_with_defaults(instance, _partial(section_schema(*path)))
+    errors = validate_with_defaults(instance, node)
     if errors:
-        name = ".".join(path)
         problems = "; ".join(f"{'.'.join(map(str, [name, *error.absolute_path]))}: {error.message}" for error in errors)
         raise ValueError(f"bad {name} settings: {problems} (config/schema.yaml)")
     return instance

@@ -153,7 +153,7 @@ def test_a_source_is_a_file_or_a_synthesis_and_the_synthesis_decides_the_samples
     assert not validator.is_valid([{"name": "a"}])
     assert not validator.is_valid([{"name": "a", "path": "x.json", "synthesize": {"count": 5}}])
     assert not validator.is_valid([{"name": "self", "synthesize": {"count": 5, "temperature": 0}}])
-    with pytest.raises(ValueError, match="unknown synthesize setting"):
+    with pytest.raises(ValueError, match="bad synthesize settings: .*'temprature' was unexpected"):
         synthesize.Settings.from_config({"count": 5, "temprature": 1.0})
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     config["data"]["sources"].append({"name": "self", "synthesize": {"count": 5}})

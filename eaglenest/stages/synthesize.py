@@ -50,12 +50,9 @@ class Settings:
 
     @classmethod
     def from_config(cls, section: dict) -> "Settings":
+        """The object checked against the schema and completed with its defaults."""
         node = settings_lib.section_schema("data", "sources")["items"]["properties"]["synthesize"]
-        unknown = set(section) - set(node["properties"])
-        if unknown:
-            raise ValueError(f"unknown synthesize setting(s): {', '.join(sorted(unknown))}")
-        defaults = {key: spec["default"] for key, spec in node["properties"].items() if "default" in spec}
-        return cls(**{**defaults, **section})
+        return cls(**settings_lib.checked(section, node, "synthesize"))
 
 
 def pre_query_ids(tokenizer) -> list[int]:
