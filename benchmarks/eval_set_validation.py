@@ -20,6 +20,10 @@ With ``--conversations FILE`` in place of ``--references``, the conversations ar
 answered as the regenerate stage writes them (e.g. its greedy answers to prompts it wrote itself,
 ``data.sources`` with ``synthesize:``), scored as they stand.
 
+``--by-confidence`` splits each accuracy by how sure the target is of the token to guess (its
+probability of its own top token, binned): a set whose target is often unsure validates lower
+with the same drafter.
+
 Prints one row per (dtype, drafter) and writes them to ``--out`` as JSON, with how many answers
 the chat template gives back token for token (the rest differ in a token or two at the joins).
 """
@@ -95,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", action="append", default=[], help="repeatable: the configs of the drafters' run")
     parser.add_argument("--dtype", action="append", default=None,
                         help="repeatable: storage dtype of the hidden states (default: the configs')")
+    parser.add_argument("--by-confidence", action="store_true",
+                        help="also split each drafter's accuracy by the target's probability of its own top token")
     parser.add_argument("--cores", type=int, default=os.cpu_count())
     parser.add_argument("--directory", type=Path, default=REPO, help="the workflow's working directory")
     parser.add_argument("--out", type=Path, required=True)
@@ -136,7 +142,7 @@ def main(argv=None) -> int:
             config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
                                work / f"{overlay['run']}.snakemake.log")
             timings[f"{dtype}_data_s"] = round(time.monotonic() - started, 1)
-            rows += score_drafters(config, args.directory, drafters, 1, dtype, timings)
+            rows += score_drafters(config, args.directory, drafters, 1, dtype, timings, args.by_confidence)
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
              "eval_set": args.eval_set, "references": str(source), "prompts": len(rows_in),
              "answers_token_for_token": exact, "answer_tokens": answer_tokens, "configs": args.config, "seconds": timings, "rows": rows}

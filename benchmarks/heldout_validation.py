@@ -143,7 +143,7 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
 
 
 def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows_per_step: int, answers: str,
-                   timings: dict) -> list[dict]:
+                   timings: dict, by_confidence: bool = False) -> list[dict]:
     """Every drafter scored on every sample of a run the workflow made (``config``, as
     :func:`build_run` returns it): a row per drafter, printed as it comes; each one's seconds
     into ``timings`` as ``<answers>_<name>_s``."""
@@ -154,7 +154,7 @@ def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows
     for name, drafter in drafters.items():
         started = time.monotonic()
         result = train.validate_drafter(drafter, *consolidated, directory / config["target"]["path"], settings,
-                                        split="all")
+                                        split="all", by_confidence=by_confidence)
         timings[f"{answers}_{name}_s"] = round(time.monotonic() - started, 1)
         rows.append({"drafter": name, "path": drafter, "answers": answers, "run": config["run"], **result})
         print_row(rows[-1])
@@ -165,6 +165,12 @@ def print_row(row: dict) -> None:
     acc = " ".join(f"{a:.3f}" for a in row["acc"])
     print(f"{row['drafter']:<14} {row['answers']:<9} positions {row['positions'][0]:>7}  acc by TTT step: {acc}",
           flush=True)
+    if "by_confidence" in row:
+        binned = row["by_confidence"]
+        for (low, high), share, acc in zip(binned["bins"], binned["share"][0], binned["acc"][0]):
+            shown = "-" if acc is None else f"{acc:.3f}"
+            print(f"    target's top-token probability {low:.1f}-{high:.1f}: {share:6.1%} of positions, "
+                  f"acc at step 0 {shown}", flush=True)
 
 
 if __name__ == "__main__":

@@ -104,10 +104,11 @@ def test_answered_conversations_are_scored_as_they_are(tmp_path, tiny_llama):
               "--out", str(out)]
     with pytest.raises(SystemExit):  # one source of answers, not both
         eval_set_validation.main(["--conversations", str(answered), "--references", str(tmp_path), *common])
-    assert eval_set_validation.main(["--conversations", str(answered), *common]) == 0
+    assert eval_set_validation.main(["--conversations", str(answered), "--by-confidence", *common]) == 0
     table = json.loads(out.read_text())
     assert table["prompts"] == 2 and table["answers_token_for_token"] is None
     (row,) = table["rows"]
+    assert [sum(step) for step in row["by_confidence"]["positions"]] == row["positions"]
     index = json.loads((workdir / "results" / row["run"] / "consolidated" / "index.json").read_text())
     assert index["totals"]["samples"] == 2 and row["positions"][0] > 0
     written = [json.loads(line) for line in

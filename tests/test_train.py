@@ -497,6 +497,26 @@ def test_validating_a_saved_drafter_gives_its_training_run_s_final_validation(ti
                                tiny_run["split_path"], tiny_run["target_path"], settings=SETTINGS)
 
 
+@pytest.mark.integration
+def test_accuracy_by_the_targets_sureness_adds_up_to_the_validation_it_splits(tiny_run, tmp_path):
+    """by_confidence forms the drafter's guesses itself, position by position: its bins hold every
+    counted position once and their hits add up to the objective's summed hits."""
+    train.train(**arguments(tiny_run, tmp_path, epochs=2))
+    keys = ("index_path", "draft_vocab_path", "split_path", "target_path")
+    result = train.validate_drafter(tmp_path / "drafter", *(tiny_run[key] for key in keys), settings=SETTINGS,
+                                    expect=EXPECT, by_confidence=True)
+    binned = result["by_confidence"]
+    assert binned["bins"][0] == [0.0, 0.3] and binned["bins"][-1] == [0.9, 1.0]
+    assert len(binned["acc"]) == len(result["acc"]) == SETTINGS["ttt_length"]
+    for step, (acc, positions) in enumerate(zip(result["acc"], result["positions"])):
+        counts = binned["positions"][step]
+        assert sum(counts) == positions > 0
+        hits = sum(a * c for a, c in zip(binned["acc"][step], counts) if a is not None)
+        assert hits == pytest.approx(acc * positions, abs=1e-6)
+        assert sum(binned["share"][step]) == pytest.approx(1.0)
+        assert all((a is None) == (c == 0) for a, c in zip(binned["acc"][step], counts))
+
+
 def test_warm_start_from_a_drafter_of_another_shape_is_refused_before_training(tiny_run, tmp_path):
     other = tmp_path / "other"
     train.train(**{**arguments(tiny_run, other, epochs=1), "settings": {

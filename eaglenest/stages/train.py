@@ -230,7 +230,8 @@ SAMPLE_FILTERS = {
 
 
 def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, target_path, settings: dict | None = None,
-                     expect: dict | None = None, samples: str = "all", split: str = "val") -> dict:
+                     expect: dict | None = None, samples: str = "all", split: str = "val",
+                     by_confidence: bool = False) -> dict:
     """``validate`` of any saved drafter (train output, checkpoint file or export) on a run's
     validation split, in eager mode: what the training curve's validation measured, recomputed
     outside the training process (e.g. to check a compiled run's figures). ``samples``
@@ -238,7 +239,8 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     each held-out conversation, so "original" is held-out ShareGPT and "others" the held-out
     answers of the target, for any drafter whose run held out the same conversations.
     ``split`` "all" scores every sample of the run: a run made of held-out conversations only
-    (benchmarks/heldout_validation.py)."""
+    (benchmarks/heldout_validation.py). ``by_confidence`` adds the accuracy split by how sure the
+    target is of each token (``loop.validate_by_confidence``) as "by_confidence"."""
     from eaglenest.stages import export
 
     settings = settings_lib.section(settings, "train")
@@ -253,7 +255,10 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     model = model.to(device).eval()
     head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"])
-    return loop.validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
+    result = loop.validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
+    if by_confidence:
+        result["by_confidence"] = loop.validate_by_confidence(objective, head, val_set, settings, device, hidden_dtype)
+    return result
 
 
 def launch(arguments: dict, processes: int = 1) -> None:

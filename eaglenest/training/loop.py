@@ -109,17 +109,11 @@ def train_step(objective, head: TargetHead, batch: dict | None, local_tokens: fl
     return results, global_counts, grad_norm
 
 
-@torch.no_grad()
-def validate(objective: TTTObjective, head: TargetHead, dataset, settings, device, hidden_dtype, top_draft_id,
-             rank=0, world_size=1) -> dict:
-    """Per TTT step: mean soft CE, top-1 accuracy, and the accuracy of always guessing the most
-    frequent draft token (the chance level to beat), over the positions that count."""
-    length = settings["ttt_length"]
+def _validation_batches(head: TargetHead, dataset, settings, device, hidden_dtype, rank, world_size):
+    """Yield (batch, the target's logits over the draft vocab, each TTT step's counted positions)
+    for this rank's rows of ``dataset``, in order: what validation scores a drafter on."""
     steps = batches_lib.epoch_steps(dataset, settings["token_budget"], settings["rows_per_step"], 0, 0, shuffle=False)
     reader = batches_lib.RowReader(dataset, keep_fp8=device.type == "cuda")
-    # [ce, count, hits, chance] per step, summed on the device and read once at the end.
-    sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     pad_to = settings["token_budget"] if device.type == "cuda" else None
     pad_rows = batches_lib.rows_per_rank(settings["rows_per_step"], world_size) if device.type == "cuda" else None
     for rows in steps:
@@ -128,8 +122,24 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
             continue
         batch = to_device(reader.batch(mine, pad_to=pad_to, pad_rows=pad_rows), device, hidden_dtype)
         target_logits, in_draft = head(batch["last_hidden"].flatten(0, 1))
-        positions = step_positions(batch, in_draft.view_as(batch["input_ids"]), length)
-        with autocast:
+        yield batch, target_logits, step_positions(batch, in_draft.view_as(batch["input_ids"]), settings["ttt_length"])
+
+
+def _autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def validate(objective: TTTObjective, head: TargetHead, dataset, settings, device, hidden_dtype, top_draft_id,
+             rank=0, world_size=1) -> dict:
+    """Per TTT step: mean soft CE, top-1 accuracy, and the accuracy of always guessing the most
+    frequent draft token (the chance level to beat), over the positions that count."""
+    length = settings["ttt_length"]
+    # [ce, count, hits, chance] per step, summed on the device and read once at the end.
+    sums = torch.zeros(length, 4, dtype=torch.float64, device=device)
+    for batch, target_logits, positions in _validation_batches(head, dataset, settings, device, hidden_dtype,
+                                                               rank, world_size):
+        with _autocast(device):
             results = objective(batch, target_logits, positions)
         target_ids = target_logits.argmax(-1)
         for j, (ce, count, hits) in enumerate(results):
@@ -146,6 +156,46 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
         "acc": [sums[j][2] / max(counts[j], 1) for j in range(length)],
         "chance_acc": [sums[j][3] / max(counts[j], 1) for j in range(length)],
         "positions": [int(c) for c in counts],
+    }
+
+
+# Bins of the target's probability of its own top token (over the draft vocabulary).
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
+
+
+@torch.no_grad()
+def validate_by_confidence(objective: TTTObjective, head: TargetHead, dataset, settings, device, hidden_dtype,
+                           edges=CONFIDENCE_EDGES) -> dict:
+    """Top-1 accuracy per TTT step, split by how sure the target is of the token the drafter must
+    guess: its probability of its own top token, binned at ``edges``. A flat distribution's
+    argmax is hard to tell from the target's states, so a set whose target is often unsure
+    validates lower with the same drafter: the shares of positions per bin tell that apart from
+    a drafter that has not learned the set. One process; the drafter's logits are formed here,
+    per position, beside the objective's summed hits."""
+    length = settings["ttt_length"]
+    bounds = torch.tensor(edges, dtype=torch.float32, device=device)
+    # [hits, count] per step and bin
+    sums = torch.zeros(length, len(edges) + 1, 2, dtype=torch.float64, device=device)
+    weight = objective.drafter.lm_head.weight
+    for batch, target_logits, positions in _validation_batches(head, dataset, settings, device, hidden_dtype, 0, 1):
+        target_ids = target_logits.argmax(-1)
+        sureness = target_logits.float().softmax(-1).amax(-1)
+        with _autocast(device):
+            for j, normed in objective.unroll(batch):
+                wanted = positions[j] + 1 + j
+                guessed = (normed.flatten(0, 1)[positions[j]] @ weight.T).argmax(-1)
+                bins = torch.bucketize(sureness[wanted], bounds)
+                sums[j, :, 0] += torch.bincount(bins, weights=(guessed == target_ids[wanted]).double(),
+                                                minlength=len(edges) + 1)
+                sums[j, :, 1] += torch.bincount(bins, minlength=len(edges) + 1).double()
+    sums = sums.tolist()
+    lows = (0.0, *edges)
+    highs = (*edges, 1.0)
+    return {
+        "bins": [[low, high] for low, high in zip(lows, highs)],
+        "positions": [[int(count) for _, count in step] for step in sums],
+        "acc": [[hits / count if count else None for hits, count in step] for step in sums],
+        "share": [[count / max(sum(c for _, c in step), 1) for _, count in step] for step in sums],
     }
 
 
@@ -213,7 +263,7 @@ def run_steps(run: TrainingRun, log_stream=None, stop_after_steps: int | None = 
 
     progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=log_stream or sys.stderr,
                     disable=rank != 0, mininterval=5.0, dynamic_ncols=False)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = _autocast(device)
     length = settings["ttt_length"]
     decay_weights = [settings["decay"] ** j for j in range(length)]
     loop_began = time.perf_counter()
