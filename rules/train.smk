@@ -38,8 +38,8 @@ rule train_drafter:
         dtype=config["extract"]["dtype"],
         # eaglenest.training.objective.OBJECTIVE: a new training convention retrains the drafter
         objective="ttt-rotary-t+j",
-        # the settings that decide the weights (eaglenest.settings.TRAIN_CONTENT_KEYS)
-        hyper={key: config["train"][key] for key in settings.TRAIN_CONTENT_KEYS},
+        # the settings that decide the weights (eaglenest.settings.train_content)
+        hyper=settings.train_content(config["train"]),
         checkpoint_dir=run_path("train", "checkpoints"),
     script:
         "../scripts/train_drafter.py"

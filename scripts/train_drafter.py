@@ -4,11 +4,12 @@ Content-defining values come from params; speed and bookkeeping knobs from the c
 """
 from eaglenest.node import joblog
 from eaglenest.stages import train
-from eaglenest.settings import TRAIN_CONTENT_KEYS, TRAIN_PLACEMENT_KEYS
+from eaglenest.settings import TRAIN_CONTENT_KEYS, TRAIN_CONTENT_KEYS_IF_SET, TRAIN_PLACEMENT_KEYS
 
 stream = joblog.to_file(snakemake.log[0])
 settings = snakemake.config["train"]
-speed_knobs = [key for key in settings if key not in TRAIN_CONTENT_KEYS + TRAIN_PLACEMENT_KEYS]
+speed_knobs = [key for key in settings
+               if key not in (*TRAIN_CONTENT_KEYS, *TRAIN_CONTENT_KEYS_IF_SET, *TRAIN_PLACEMENT_KEYS)]
 gpus = settings["gpus"]
 train.launch(
     {

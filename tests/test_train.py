@@ -344,6 +344,32 @@ def test_target_head_never_builds_full_vocab_logits_for_more_than_a_chunk(tiny_r
     assert passed is given and torch.equal(again, logits)
 
 
+def test_a_target_temperature_sharpens_the_labels_and_keeps_their_argmax_and_the_in_draft_test(tiny_run):
+    from eaglenest.formats import vocab
+
+    draft = vocab.load_draft_vocab(tiny_run["draft_vocab_path"])
+    hidden = torch.randn(32, 64)
+    plain, in_draft = TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32)(hidden)
+    sharp, sharp_in_draft = TargetHead(tiny_run["target_path"], draft["t2d"], "cpu", torch.float32,
+                                       temperature=0.5)(hidden)
+    torch.testing.assert_close(sharp, plain * 2)
+    assert torch.equal(sharp_in_draft, in_draft) and torch.equal(sharp.argmax(-1), plain.argmax(-1))
+    # every label's top probability rises (the target's top token gets more of the mass)
+    assert (sharp.softmax(-1).amax(-1) > plain.softmax(-1).amax(-1)).all()
+
+
+@pytest.mark.integration
+def test_a_target_temperature_reaches_the_training_labels_and_the_fingerprint(tiny_run, tmp_path):
+    """train.target_temperature: the same drafter (no learning at this rate) scores the same hits
+    against other labels at another loss, under another fingerprint. The tiny target's labels are
+    one-hot already (logits up to about 80), so it is softened here to show."""
+    plain = train.train(**arguments(tiny_run, tmp_path / "plain", epochs=1, lr=1e-20))
+    other = train.train(**arguments(tiny_run, tmp_path / "other", epochs=1, lr=1e-20, target_temperature=8.0))
+    assert other["final_val_acc"] == plain["final_val_acc"]
+    assert all(a != b for a, b in zip(other["final_val_loss"], plain["final_val_loss"]))
+    assert other["fingerprint"] != plain["fingerprint"]
+
+
 def test_target_head_in_draft_test_breaks_ties_as_the_full_vocabulary_argmax(tmp_path):
     """The in-draft test from the two blocks' maxima equals t2d[argmax] of the full-vocabulary
     logits, ties included: the first maximum in target-id order wins, draft or not."""
@@ -630,10 +656,16 @@ def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
     from eaglenest import settings
 
     rule = (Path(__file__).resolve().parents[1] / "rules" / "train.smk").read_text()
-    listed = re.search(r"hyper=\{key: config\[\"train\"\]\[key\] for key in ([\w.]+)\}", rule).group(1)
-    assert listed == "settings.TRAIN_CONTENT_KEYS" and train.CONTENT_KEYS == settings.TRAIN_CONTENT_KEYS
+    assert re.search(r"hyper=([\w.]+)\(config\[\"train\"\]\)", rule).group(1) == "settings.train_content"
+    assert train.CONTENT_KEYS == settings.TRAIN_CONTENT_KEYS
     # Every content key is a train setting of the schema, and the defaults are the schema's.
     assert set(train.CONTENT_KEYS) <= set(train.DEFAULTS) == set(settings.section_schema("train")["properties"])
+    # A key that counts only when set: absent at its default (the runs that never set it keep
+    # their fingerprint and params), present otherwise.
+    for key, default in settings.TRAIN_CONTENT_KEYS_IF_SET.items():
+        assert train.DEFAULTS[key] == default
+        assert key not in settings.train_content(train.DEFAULTS)
+        assert settings.train_content({**train.DEFAULTS, key: default / 2})[key] == default / 2
     assert re.search(r'objective="([^"]+)"', rule).group(1) == OBJECTIVE
 
 

@@ -44,7 +44,7 @@ def fingerprint(settings: dict, index_path, start_weights: str | None = None) ->
     """The run's identity: its content settings, objective, shards and, for a warm start, the
     digest of the weights it starts from (``start_weights``), not their path."""
     index = json.loads(Path(index_path).read_text())
-    content = {key: settings[key] for key in CONTENT_KEYS if key != "init_from"}
+    content = {key: value for key, value in settings_lib.train_content(settings).items() if key != "init_from"}
     content["objective"] = OBJECTIVE
     content["shards"] = [entry["checksums"] for entry in index["shards"]]
     if start_weights is not None:
@@ -180,7 +180,7 @@ def _train(
     start_weights = warm_start(model, settings["init_from"], target_path) if settings["init_from"] else None
     run_fingerprint = fingerprint(settings, index_path, start_weights)
     model.to(device)
-    head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype)
+    head = TargetHead(target_path, draft_vocab["t2d"], device, hidden_dtype, temperature=settings["target_temperature"])
     objective = TTTObjective(model, settings["ttt_length"], settings["loss_chunk_rows"], settings["attention"],
                              settings["recompute_steps"])
     if settings["compile"] and device.type == "cuda":

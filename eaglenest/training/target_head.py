@@ -26,7 +26,8 @@ class TargetHead:
     head's dtype, never in float32.
     """
 
-    def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26):
+    def __init__(self, target_path, t2d: torch.Tensor, device, dtype, chunk_elements: int = 1 << 26,
+                 temperature: float = 1.0):
         full = load_target_rows(target_path, "lm_head")
         if full.shape[0] != t2d.numel():
             raise ValueError(f"target lm_head has {full.shape[0]} rows, draft vocab t2d covers {t2d.numel()}")
@@ -37,15 +38,21 @@ class TargetHead:
         rows = torch.cat([full[draft], full[other]]).to(device=device, dtype=dtype)
         self.draft_rows, self.other_rows = rows[: draft.numel()], rows[draft.numel():]
         self.chunk_rows = max(1, chunk_elements // full.shape[0])
+        # train.target_temperature: the labels' logits divided by it, after the in-draft test
+        # (which compares raw logits); argmax, and so the hits, are unchanged
+        self.temperature = temperature
 
     @torch.no_grad()
     def __call__(self, last_hidden: torch.Tensor, in_draft: torch.Tensor | None = None):
-        """last_hidden [N, H] -> (draft-vocab logits [N, D] in the head's dtype, in_draft [N] bool)."""
+        """last_hidden [N, H] -> (draft-vocab logits [N, D] in the head's dtype, divided by the
+        temperature, in_draft [N] bool)."""
         x = last_hidden.to(self.draft_rows.dtype)
         logits = x @ self.draft_rows.T  # all rows at once: the [N, D] result is kept anyway
         if in_draft is None:
             in_draft = torch.cat([self._argmax_is_draft(draft, chunk) for draft, chunk
                                   in zip(logits.split(self.chunk_rows), x.split(self.chunk_rows))])
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
         return logits, in_draft
 
     def _argmax_is_draft(self, draft_logits: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
