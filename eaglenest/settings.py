@@ -27,16 +27,17 @@ TRAIN_CONTENT_KEYS = (
     "ttt_length", "decay", "epochs", "token_budget", "rows_per_step", "lr", "min_lr_ratio",
     "warmup_steps", "weight_decay", "max_grad_norm", "seed", "init_head_from_target", "init_from", "drafter",
 )
-# train keys that decide the weights too but count only when not at their default, so that adding
-# one leaves the fingerprint and the rerun trigger of every run that does not set it as they were.
-TRAIN_CONTENT_KEYS_IF_SET = {"target_temperature": 1.0}
+# train keys that decide the weights too but count only when not at their schema default, so that
+# adding one leaves the fingerprint and the rerun trigger of every run that does not set it as they were.
+TRAIN_CONTENT_KEYS_IF_SET = ("target_temperature",)
 
 
 def train_content(train: dict) -> dict:
     """The train settings that decide the weights (the fingerprint's and the rule's params)."""
     content = {key: train[key] for key in TRAIN_CONTENT_KEYS}
-    content.update({key: train[key] for key, default in TRAIN_CONTENT_KEYS_IF_SET.items()
-                    if train.get(key, default) != default})
+    schema_defaults = section_schema("train")["properties"]
+    content.update({key: train[key] for key in TRAIN_CONTENT_KEYS_IF_SET
+                    if key in train and train[key] != schema_defaults[key]["default"]})
     return content
 
 

@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 
 # Every train setting and its default: config/schema.yaml, section train (the one source).
 DEFAULTS = settings_lib.defaults("train")
-# Keys that decide the weights a run ends with (the checkpoint fingerprint); rule
-# train_drafter passes the same keys as params.
-CONTENT_KEYS = settings_lib.TRAIN_CONTENT_KEYS
 
 
 def fingerprint(settings: dict, index_path, start_weights: str | None = None) -> str:
