@@ -16,7 +16,7 @@
 # A plan with any other job (an overlay that changes the data) is refused
 # before anything runs. Waits for READY first (default logs/h200/DATA_DONE, which
 # benchmarks/run.sh writes after its data phase) at most WAIT_S (3600) seconds.
-# Knobs: RUN_ROOT (the run's working directory, default this checkout), CORES (8), SNAKEMAKE (as benchmarks/h200_steps.sh picks it), DRY_RUN=1 (the plan only).
+# Knobs: RUN_ROOT (the run's working directory, default this checkout), CORES (8), TARGET (below), SNAKEMAKE (as benchmarks/h200_steps.sh picks it), DRY_RUN=1 (the plan only).
 # Writes WORKDIR/beside.log (each step) and WORKDIR/DONE with the exit status.
 source "$(dirname "$0")/h200_steps.sh"
 WORKDIR="${1:?usage: bash benchmarks/train_beside.sh WORKDIR CONFIG... ARM_OVERLAY}"
@@ -43,8 +43,11 @@ mkdir -p "$WORKDIR/results/$RUN"
 for stage in data regenerated prepared hidden consolidated; do
   [ -e "$ROOT/results/$RUN/$stage" ] && ln -sfn "$ROOT/results/$RUN/$stage" "$WORKDIR/results/$RUN/$stage"
 done
+# TARGET: benchmarks/train_arms.sh names the export's report, as its SNAKEMAKE allows some rules
+# only and cannot build the default target that --until starts from
+read -r -a TARGET <<<"${TARGET:---until export_drafter}"
 SM=($SNAKEMAKE --snakefile "$REPO/Snakefile" --directory "$WORKDIR" --rerun-triggers=mtime
-  --cores "${CORES:-8}" --configfile "${CONFIGS[@]}" --until export_drafter)
+  --cores "${CORES:-8}" "${TARGET[@]}" --configfile "${CONFIGS[@]}")
 planned=$("${SM[@]}" -n --quiet rules 2>&1 | awk 'NF == 2 && $2 ~ /^[0-9]+$/ && $1 != "total" && $1 != "job" {print $1}' | sort -u | tr '\n' ' ')
 note "planned: $planned"
 for rule in $planned; do

@@ -227,6 +227,51 @@ def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone
     assert (hidden_dir(workdir) / ".eaglenest-hidden-states").exists()
 
 
+def test_arms_train_side_by_side_on_the_data_in_place_without_remaking_what_made_it(finished_run, tmp_path):
+    """benchmarks/train_arms.sh: the run's drafter and an arm trained at once on the data in
+    place. Its source is newer than the ingested conversations, so a plain rerun would ingest,
+    prepare and extract again; the arms' Snakemake allows none of that and reads what is there."""
+    import sys
+
+    source, _ = finished_run
+    workdir = tmp_path / "run"
+    shutil.copytree(source, workdir, symlinks=True)
+    settings = yaml.safe_load((workdir / "config.yaml").read_text())
+    settings["data"]["sources"][0]["path"] = str(workdir / "conversations.jsonl")
+    config = workdir / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    os.utime(workdir / "conversations.jsonl")  # what made the data "changed" after it
+    assert {"ingest", "prepare"} <= set(planned_jobs(workdir, config))
+    for stage in ("train", "export"):
+        shutil.rmtree(workdir / "results" / "tiny" / stage)
+    prepared = {p: p.stat().st_mtime_ns for p in (workdir / "results" / "tiny" / "prepared").rglob("*") if p.is_file()}
+    shards_before = snapshot(hidden_dir(workdir))
+    arm = tmp_path / "lr.yaml"
+    arm.write_text("train:\n  lr: 0.001\n")
+    out = tmp_path / "arms"
+    env = {**os.environ, "RUN_ROOT": str(workdir), "CORES": "2", "ARM_CORES": "1",
+           "SNAKEMAKE": f"{sys.executable} -m snakemake"}
+    data = tmp_path / "data.yaml"
+    data.write_text("data:\n  max_len: 200\n")
+    refused = subprocess.run(["bash", str(REPO / "benchmarks" / "train_arms.sh"), str(tmp_path / "refused"), str(config),
+                              "--", str(arm), str(data)], capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and "sets data" in refused.stderr and not (tmp_path / "refused" / "times.tsv").exists()
+    result = subprocess.run(["bash", str(REPO / "benchmarks" / "train_arms.sh"), str(out), str(config), "--", str(arm)],
+                            capture_output=True, text=True, env=env)
+    log = (out / "arms.log").read_text()
+    assert result.returncode == 0 and (out / "DONE").read_text().strip() == "0", log + result.stderr[-3000:]
+    assert [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()][0] == "data"
+    assert {"control", "arm-lr"} <= {line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()}
+    assert "Nothing to be done" in (out / "data.log").read_text()
+    control = workdir / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
+    arm_weights = out / "arm-lr" / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
+    assert (workdir / "results" / "tiny" / "export" / "sglang" / "config.json").exists()
+    assert (out / "arm-lr" / "results" / "tiny" / "export" / "sglang" / "config.json").exists()
+    assert control.read_bytes() != arm_weights.read_bytes()
+    assert {p: p.stat().st_mtime_ns for p in (workdir / "results" / "tiny" / "prepared").rglob("*") if p.is_file()} == prepared
+    assert snapshot(hidden_dir(workdir)) == shards_before
+
+
 def test_hidden_states_moved_to_extract_hidden_dir_are_not_made_again(finished_run, tmp_path):
     source, _ = finished_run
     workdir = tmp_path / "run"
