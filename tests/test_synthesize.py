@@ -15,7 +15,7 @@ import yaml
 
 from eaglenest import plan, settings as settings_lib
 from eaglenest.stages import ingest, regenerate, synthesize
-from eaglenest.stages.prepare import load_tokenizer, render
+from eaglenest.stages.prepare import TemplateError, load_tokenizer, render
 from eaglenest.stages.regenerate import Generation
 from conftest import DEFAULT_CONFIG, REPO, planned_jobs, run_snakemake, synthetic_conversations, tiny_workflow_config
 from test_sglang_protocol import start_standin
@@ -60,6 +60,31 @@ def test_every_requested_prompt_is_kept_or_counted_and_the_file_is_reproducible(
     assert again == records
     other, _ = synthesize_to(tmp_path, tiny_llama, name="other", seed=1)
     assert other != records
+
+
+def test_system_prompts_steer_each_prompt_in_turn_and_the_kept_prompt_is_the_users_text(tmp_path, tiny_llama):
+    """synthesize.system_prompts (Magpie's control tasks): prompt i is written after a system
+    turn holding system_prompts[i mod n]; what is kept is the user's text alone."""
+    tokenizer = load_tokenizer(tiny_llama)
+    default = tokenizer.decode(synthesize.pre_query_ids(tokenizer))
+    steered = tokenizer.decode(synthesize.pre_query_ids(tokenizer, "The user asks about lakes."))
+    assert "The user asks about lakes." in steered and "The user asks about lakes." not in default
+    assert steered.endswith("user\n") and default.endswith("user\n") and steered != default
+    systems = ["The user asks about lakes.", "The user asks for a poem."]
+    records, report = synthesize_to(tmp_path, tiny_llama, system_prompts=systems)
+    assert report["pre_query_tokens"] == [len(synthesize.pre_query_ids(tokenizer, system)) for system in systems]
+    assert sum(report["kept_by_system_prompt"]) == report["kept"] == len(records) > 0
+    assert all(len(record["messages"]) == 1 and record["messages"][0]["role"] == "user" for record in records)
+    plain, plain_report = synthesize_to(tmp_path, tiny_llama, name="plain")
+    assert "kept_by_system_prompt" not in plain_report and isinstance(plain_report["pre_query_tokens"], int)
+    assert records != plain
+    again, _ = synthesize_to(tmp_path, tiny_llama, name="again", system_prompts=systems)
+    assert again == records
+    # a template that drops system turns cannot be steered: refused, not ignored
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+                               "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
+    with pytest.raises(TemplateError, match="does not render a system message"):
+        synthesize.pre_query_ids(tokenizer, "The user asks about lakes.")
 
 
 def test_outcomes_and_duplicates_are_told_apart(monkeypatch, tmp_path, tiny_llama):
@@ -153,6 +178,9 @@ def test_a_source_is_a_file_or_a_synthesis_and_the_synthesis_decides_the_samples
     assert not validator.is_valid([{"name": "a"}])
     assert not validator.is_valid([{"name": "a", "path": "x.json", "synthesize": {"count": 5}}])
     assert not validator.is_valid([{"name": "self", "synthesize": {"count": 5, "temperature": 0}}])
+    assert validator.is_valid([{"name": "self", "synthesize": {"count": 5, "system_prompts": ["About lakes."]}}])
+    assert not validator.is_valid([{"name": "self", "synthesize": {"count": 5, "system_prompts": []}}])
+    assert not validator.is_valid([{"name": "self", "synthesize": {"count": 5, "system_prompts": [""]}}])
     with pytest.raises(ValueError, match="bad synthesize settings: .*'temprature' was unexpected"):
         synthesize.Settings.from_config({"count": 5, "temprature": 1.0})
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())

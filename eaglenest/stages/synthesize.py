@@ -18,6 +18,13 @@ conversation starts with. A prompt is kept when the target ended it itself, it h
 text, it is no loop (``regenerate.repetition_stop``) and no earlier prompt had the same
 text; every other outcome is counted in the report.
 
+``system_prompts`` steers what the prompts are about, as Magpie's control tasks do: its
+pre-query for a task opens with a system turn that says what the user will ask about
+(magpie-align/magpie at 4dc3304, ``exp/gen_ins.py:33, 96-97``, ``configs/model_configs.json:21-23``).
+Prompt i is written after ``system_prompts[i mod n]`` in place of the template's default system
+turn. The kept prompt is the user's text alone: it is answered, and drafted on, under the
+default system turn as every served conversation is.
+
 Output (docs/formats.md): JSONL of ``{"id", "messages": [{"role": "user", "content"}]}`` in
 order of the prompt's index, and a JSON report; both written atomically, the report first.
 """
@@ -47,6 +54,7 @@ class Settings:
     temperature: float
     top_p: float
     max_new_tokens: int
+    system_prompts: list[str] | None = None
 
     @classmethod
     def from_config(cls, section: dict) -> "Settings":
@@ -55,11 +63,17 @@ class Settings:
         return cls(**settings_lib.checked(section, node, "synthesize"))
 
 
-def pre_query_ids(tokenizer) -> list[int]:
-    """Token ids of the chat template up to where a user's first message starts."""
-    text = render(tokenizer, [{"role": "user", "content": PROBE}], add_generation_prompt=False)
+def pre_query_ids(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of the chat template up to where a user's first message starts, after a system
+    turn holding ``system`` when one is given (else the template's default, if it has one)."""
+    messages = [{"role": "user", "content": PROBE}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    text = render(tokenizer, messages, add_generation_prompt=False)
     if text.count(PROBE) != 1:
         raise TemplateError("the chat template does not render a user message verbatim")
+    if system is not None and system not in text:
+        raise TemplateError("the chat template does not render a system message: no system prompt to steer with")
     prefix = text[: text.index(PROBE)]
     if not prefix:
         raise TemplateError("the chat template puts nothing before a user message: no pre-query to send")
@@ -83,20 +97,23 @@ def prompt_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % 2**31
 
 
-def generate(backend, prefix: list[int], count: int, seed: int, concurrency: int) -> list[Generation]:
-    """``count`` continuations of ``prefix``, each sampled with ``prompt_seed``."""
+def generate(backend, prefixes: list[list[int]], count: int, seed: int, concurrency: int) -> list[Generation]:
+    """``count`` continuations, prompt i of ``prefixes[i mod n]``, each sampled with ``prompt_seed``."""
     if isinstance(backend, OpenAIBackend):
         def one(index: int) -> Generation:
-            return backend.complete_ids(prefix, prompt_seed(seed, index))
+            return backend.complete_ids(prefixes[index % len(prefixes)], prompt_seed(seed, index))
 
         with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
             return list(pool.map(one, range(count)))
-    # transformers: equal prompts, so a batch is rows of the same ids with no padding
+    # transformers: a batch holds one prefix's prompts, rows of the same ids with no padding
     rows = backend.settings.batch_rows
-    out: list[Generation] = []
-    for start in range(0, count, rows):
-        n = min(rows, count - start)
-        out += backend._generate_group([list(prefix)] * n, prompt_seed(seed, start))
+    out: list[Generation | None] = [None] * count
+    for which, prefix in enumerate(prefixes):
+        indices = list(range(which, count, len(prefixes)))
+        for start in range(0, len(indices), rows):
+            batch = indices[start:start + rows]
+            for index, generation in zip(batch, backend._generate_group([list(prefix)] * len(batch), prompt_seed(seed, batch[0]))):
+                out[index] = generation
     return out
 
 
@@ -117,8 +134,10 @@ def synthesize_prompts(
         raise ValueError("synthesized prompts need regenerate.api: generate (token ids in, no chat template applied)")
     started = time.monotonic()
     backend = make_backend(model_path, sampling(transport, settings), model_name, threads)
-    prefix = pre_query_ids(backend.tokenizer)
-    generations = generate(backend, prefix, settings.count, settings.seed, concurrency or transport.concurrency)
+    systems = settings.system_prompts or [None]
+    prefixes = [pre_query_ids(backend.tokenizer, system) for system in systems]
+    generations = generate(backend, prefixes, settings.count, settings.seed, concurrency or transport.concurrency)
+    kept_by_system = [0] * len(systems)
     counts = {"requested": settings.count, "kept": 0, "failed": 0, "empty": 0, "unfinished": 0, "looped": 0,
               "duplicates": 0, "generated_tokens": 0, "kept_tokens": 0}
     seen, records, errors = set(), [], []
@@ -133,6 +152,7 @@ def synthesize_prompts(
         if reason != "kept":
             continue
         seen.add(normalised(generation.text))
+        kept_by_system[index % len(systems)] += 1
         counts["kept_tokens"] += generation.new_tokens
         records.append({"id": str(index), "messages": [{"role": "user", "content": generation.text}]})
     report = {
@@ -141,8 +161,9 @@ def synthesize_prompts(
         "backend": transport.backend,
         "settings": dataclasses.asdict(settings),
         "repetition_stop": transport.repetition_stop,
-        "pre_query_tokens": len(prefix),
+        "pre_query_tokens": [len(prefix) for prefix in prefixes] if settings.system_prompts else len(prefixes[0]),
         **counts,
+        **({"kept_by_system_prompt": kept_by_system} if settings.system_prompts else {}),
         "seconds": round(time.monotonic() - started, 3),
         "failures": errors,
     }
