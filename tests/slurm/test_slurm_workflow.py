@@ -125,16 +125,20 @@ def test_dry_run_through_the_profile_plans_every_job_and_submits_nothing(slurm_c
 
 @pytest.mark.workflow
 def test_scancel_of_a_running_extraction_then_rerun_makes_only_the_missing_shard(slurm_run, tmp_path_factory):
-    # A copy of the finished run (mtimes kept) without anything from extraction on: the same
-    # jobs from there as in a fresh run, without waiting for ingest and prepare through Slurm again.
+    # A copy of the finished run (mtimes kept) without anything from extraction on but its first
+    # shard: the same jobs from there as in a run whose first extraction job has finished,
+    # without waiting for ingest, prepare and that job through Slurm again.
     workdir = tmp_path_factory.mktemp("slurm-scancel") / "w"
     shutil.copytree(slurm_run[0], workdir, symlinks=True, ignore=shutil.ignore_patterns("slurm_logs"))
-    for stage in ("hidden", "consolidated", "train", "export"):
+    for stage in ("consolidated", "train", "export"):
         shutil.rmtree(workdir / "results" / "tiny" / stage)
+    for shard in SHARDS[1:]:
+        (hidden_dir(workdir) / shard).unlink()
     config = workdir / "config.yaml"
     shards_dir = hidden_dir(workdir)
-    # One job at a time, so the first shards are done while a later one is still running. The
-    # runs go as far as consolidation: what follows reads the shards as any other run does.
+    # One job at a time, so a shard is done while a later one is still running, and one more is
+    # made after the cancel (keep-going). The runs go as far as consolidation: what follows
+    # reads the shards as any other run does.
     process = subprocess.Popen(
         slurm_command(workdir, config, "--jobs", "1", CONSOLIDATED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=slurm_env(), start_new_session=True,
