@@ -232,12 +232,21 @@ def _logs(workflow: Workflow) -> str:
     return "".join(p.read_text(errors="replace") for p in log_dir.rglob("*.log")) if log_dir.is_dir() else ""
 
 
-def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflight: bool) -> dict:
-    """Results on a tmpfs that cannot hold them; fail clearly; grow it; complete."""
+# What a run holds before its extraction jobs start: results/<run>/ folders of ingest and prepare.
+UPSTREAM_OF_EXTRACT = ("data", "prepared")
+
+
+def inject_disk_full(workflow: Workflow, tally: Tally, small_bytes: int, preflight: bool, upstream: Path) -> dict:
+    """Results on a tmpfs that cannot hold them; fail clearly; grow it; complete. The tmpfs
+    starts with ``upstream``'s ingest and prepare outputs (a finished run's, mtimes kept, in a
+    copy of that run's directory), so that the runs start with the extraction jobs the fault is
+    about and take their space from what ingest and prepare left free, as a fresh run would."""
     mount_point = workflow.workdir / layout.RESULTS
     mount_point.mkdir(parents=True, exist_ok=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={small_bytes}", "tmpfs", str(mount_point)], check=True)
     try:
+        for sub in UPSTREAM_OF_EXTRACT:
+            shutil.copytree(upstream / sub, workflow.results / sub)
         settings = yaml.safe_load(workflow.configfile.read_text())
         settings["extract"]["preflight"] = preflight
         workflow.configfile.write_text(yaml.safe_dump(settings, sort_keys=False))
@@ -699,10 +708,13 @@ def run_chaos(workdir: Path, kills: int, seed: int, configfile: Path | None = No
         corruption["identical"] = observed.get(name) == expected[name]
     disk_full_results = []
     if disk_full and os.geteuid() == 0:
-        disk = Workflow(new_workdir(workdir / "disk-full"), Path(shutil.copy(configfile, workdir / "disk-full" / "config.yaml")))
+        # A copy of the reference directory: its Snakemake records with the ingest and prepare
+        # outputs that each case puts on its tmpfs (inject_disk_full).
+        disk = copy_finished_run(reference, workdir / "disk-full")
         hidden_bytes = sum(len(v) for k, v in expected.items() if k.startswith("hidden/"))
         for preflight in (True, False):
-            outcome = counted(tally, lambda: inject_disk_full(disk, tally, max(hidden_bytes // 2, 1 << 20), preflight))
+            outcome = counted(tally, lambda: inject_disk_full(disk, tally, max(hidden_bytes // 2, 1 << 20), preflight,
+                                                              reference.results))
             outcome["identical"] = outcome.pop("outputs") == data_outputs(expected)
             outcome["kind"] = "disk_full_preflight" if preflight else "disk_full_write"
             disk_full_results.append(outcome)
