@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,19 +21,15 @@ DEFAULT_CONFIG = REPO / "config" / "config.yaml"
 # ---- running the suite on two workers (pytest-xdist) -----------------------------------------------
 # Each test module is one unit of work, so its module fixtures run once; modules that share a
 # session fixture, or the one local Slurm cluster, form one unit together. Units start longest
-# first: the Slurm tests mostly wait for the scheduler's status checks and the tests of the
-# finished tiny run (the largest unit) keep the cores busy meanwhile, so the two overlap
-# instead of adding up.
+# first: the Slurm tests mostly wait for the scheduler's status checks and the chaos run keeps
+# both cores busy, so the two overlap instead of adding up.
 SHARED_UNITS = {
     "slurm": "slurm",  # tests/slurm/*: one slurmctld per session
     "test_workflow": "finished_tiny_run",
     "test_recon": "finished_tiny_run",
-    "test_train": "finished_tiny_run",
-    "test_sglang_service": "finished_tiny_run",
-    "test_sglang_launch": "finished_tiny_run",
 }
-LONGEST_FIRST = ["slurm", "finished_tiny_run", "test_chaos", "test_e2e_smollm2", "test_regenerate",
-                 "test_evaluate", "test_evaluate_sglang", "test_export"]
+LONGEST_FIRST = ["slurm", "test_chaos", "test_e2e_smollm2", "finished_tiny_run", "test_regenerate",
+                 "test_sglang_service", "test_sglang_launch", "test_train", "test_evaluate", "test_evaluate_sglang", "test_export"]
 
 
 def work_unit(path: str | Path) -> str:
@@ -105,24 +100,12 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def finished_tiny_run(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
     """The tiny workflow run to the end (4 hidden shards, trained, exported, evaluated): one
-    run for the modules of its unit (SHARED_UNITS), whose tests only read it or work on copies."""
+    run for test_workflow and test_recon, whose tests only read it or work on copies."""
     workdir = tmp_path_factory.mktemp("finished")
     conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
     configfile = tiny_workflow_config(workdir, tiny_llama, conversations)
     run_snakemake(workdir, configfile, "--cores", "2")
     return workdir, configfile
-
-
-def copy_before_extraction(finished: tuple[Path, Path], workdir: Path) -> Path:
-    """A copy of ``finished`` (finished_tiny_run; mtimes and Snakemake's records kept) without
-    anything from extraction on: a run there starts with the extraction jobs, as a fresh run of
-    the same config does once ingest and prepare are done."""
-    source, _ = finished
-    shutil.copytree(source, workdir, symlinks=True)
-    for stage in ("hidden", "consolidated", "train", "export", "evaluate"):
-        shutil.rmtree(workdir / "results" / "tiny" / stage)
-    shutil.rmtree(workdir / "logs" / "tiny" / "extract")  # the extraction jobs' logs are this run's
-    return workdir
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.2) -> bool:

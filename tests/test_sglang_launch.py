@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, copy_before_extraction, run_snakemake, synthetic_conversations, tiny_workflow_config
+from conftest import REPO, run_snakemake, synthetic_conversations, tiny_workflow_config
 from support import STANDIN_COMMAND
 from eaglenest.stages import extract
 from eaglenest.formats import shards
@@ -106,18 +106,16 @@ def test_launcher_waits_until_the_server_answers_as_ours(tmp_path, tiny_llama):
 
 
 @pytest.mark.workflow
-def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_path, tiny_llama, finished_tiny_run):
-    """The real Snakefile, backend sglang, against the stand-in server over HTTP: the finished
-    tiny run (4 shards) before its extraction, switched to the server."""
-    workdir = copy_before_extraction(finished_tiny_run, tmp_path / "work")
+def test_extract_rule_with_sglang_backend_writes_the_transformers_shards(tmp_path, tiny_llama):
+    """The real Snakefile, backend sglang, against the stand-in server over HTTP."""
     process, url, spool = start_standin(tmp_path, tiny_llama, layers=[2, 3, 4])
     try:
+        conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+        workdir = tmp_path / "work"
+        workdir.mkdir()
         # A server started beside the workflow (start_server false), as by hand.
         sglang = {"url": url, "spool_dir": str(spool), "concurrency": 4, "backoff_s": 0.1, "start_server": False}
-        config = yaml.safe_load(finished_tiny_run[1].read_text())
-        config["extract"].update(backend="sglang", sglang=sglang)
-        configfile = workdir / "config.yaml"
-        configfile.write_text(yaml.safe_dump(config, sort_keys=False))
+        configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
         # Up to the consolidated shards: what comes after them does not depend on the backend,
         # whose shards are compared bit for bit with the transformers backend's below.
         run_snakemake(workdir, configfile, "--cores", "2", "hidden_states")

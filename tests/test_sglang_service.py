@@ -21,8 +21,8 @@ import torch
 import yaml
 
 from conftest import (
-    REPO, SNAKEFILE, copy_before_extraction, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations,
-    tiny_workflow_config, wait_until,
+    REPO, SNAKEFILE, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config,
+    wait_until,
 )
 from eaglenest.stages import extract
 from eaglenest.sglang import client as sglang_client, launch as sglang_launch, patch as sglang_patch
@@ -37,18 +37,14 @@ BLOCK_OF = {"00000": "00000", "00001": "00000", "00002": "00001", "00003": "0000
 TARGETS = [f"results/tiny/hidden/shard-{shard}.safetensors" for shard in SHARDS]
 
 
-def service_run(tmp_path: Path, finished_tiny_run: tuple[Path, Path]) -> tuple[Path, Path, Path]:
-    """A tiny run whose 4 shards are extracted by 2 stand-in servers (blocks of 2 shards): the
-    finished tiny run (40 conversations, 4 shards) in a copy (mtimes and Snakemake's records
-    kept) without anything from extraction on, switched to the sglang backend; its runs start
-    with the servers and their shard jobs, as a fresh run does once ingest and prepare are done."""
-    workdir = copy_before_extraction(finished_tiny_run, tmp_path / "work")
+def service_run(tmp_path: Path, tiny_llama: Path) -> tuple[Path, Path, Path]:
+    """A tiny run whose 4 shards are extracted by 2 stand-in servers (blocks of 2 shards)."""
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 40)
+    workdir = tmp_path / "work"
+    workdir.mkdir()
     spool = tmp_path / "spool"  # unique to this test: it marks the test's server processes
     sglang = {"shards_per_server": 2, "spool_dir": str(spool), "backoff_s": 0.1}
-    config = yaml.safe_load(finished_tiny_run[1].read_text())
-    config["extract"].update(backend="sglang", sglang=sglang)
-    configfile = workdir / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config, sort_keys=False))
+    configfile = tiny_workflow_config(workdir, tiny_llama, conversations, extract={"backend": "sglang", "sglang": sglang})
     return workdir, configfile, spool
 
 
@@ -132,8 +128,8 @@ def tiny_workflow_target(workdir: Path) -> str:
 
 
 @pytest.mark.workflow
-def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_path, finished_tiny_run):
-    workdir, configfile, spool = service_run(tmp_path, finished_tiny_run)
+def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_path, tiny_llama):
+    workdir, configfile, spool = service_run(tmp_path, tiny_llama)
     started = time.monotonic()
     run_snakemake(workdir, configfile, "--cores", "4", *TARGETS)
     print(f"2 blocks of 2 shards through 2 stand-in servers: {time.monotonic() - started:.0f} s")
@@ -171,8 +167,8 @@ def test_each_block_gets_one_server_that_is_gone_when_its_shards_are_done(tmp_pa
 
 
 @pytest.mark.workflow
-def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_block(tmp_path, finished_tiny_run):
-    workdir, configfile, spool = service_run(tmp_path, finished_tiny_run)
+def test_killed_run_reruns_only_the_missing_shards_and_no_server_for_a_finished_block(tmp_path, tiny_llama):
+    workdir, configfile, spool = service_run(tmp_path, tiny_llama)
     service_file = {block: workdir / "results" / "tiny" / "sglang" / f"block-{block}.json" for block in ("00000", "00001")}
     # --cores 1: a block's group counts its server's one thread, so one block runs at a time.
     process = subprocess.Popen(

@@ -671,33 +671,23 @@ def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
 
 
 @pytest.mark.workflow
-def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(finished_tiny_run, tmp_path):
-    import shutil
+def test_workflow_trains_the_drafter_under_torchrun_with_two_gloo_processes(tiny_llama, tmp_path):
+    from conftest import run_snakemake, synthetic_conversations, tiny_workflow_config
 
-    import yaml
-    from conftest import run_snakemake
-
-    # The finished tiny run without its training, in a copy (mtimes and Snakemake's records
-    # kept): its consolidated shards are the data; the train job, with two processes, is the
-    # only job to run.
-    source, source_config = finished_tiny_run
-    workdir = tmp_path / "run"
-    shutil.copytree(source, workdir, symlinks=True)
-    shutil.rmtree(workdir / "results" / "tiny" / "train")
-    (workdir / "logs" / "tiny" / "train.log").unlink()
-    config = yaml.safe_load(source_config.read_text())
-    config["train"].update({"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1,
-                            "cpu_processes": 2, "threads": 1, "checkpoint_every": 2})
-    configfile = workdir / "config.yaml"
-    configfile.write_text(yaml.safe_dump(config, sort_keys=False))
-    summary_path = workdir / "results" / "tiny" / "train" / "training_summary.json"
-    run_snakemake(workdir, configfile, "--cores", "2", str(summary_path.relative_to(workdir)))
+    conversations = synthetic_conversations(tmp_path / "conversations.jsonl", 30)
+    configfile = tiny_workflow_config(
+        tmp_path, tiny_llama, conversations,
+        train={"epochs": 1, "token_budget": 256, "rows_per_step": 2, "ttt_length": 2, "warmup_steps": 1,
+               "cpu_processes": 2, "threads": 1, "checkpoint_every": 2},
+    )
+    summary_path = tmp_path / "results" / "tiny" / "train" / "training_summary.json"
+    run_snakemake(tmp_path, configfile, "--cores", "2", str(summary_path.relative_to(tmp_path)))
     summary = json.loads(summary_path.read_text())
     assert summary["processes"] == 2 and len(summary["final_val_acc"]) == 2
     drafter_dir = summary_path.parent / "drafter"
     assert {"model.safetensors", "config.json", "training_curve.json"} <= {p.name for p in drafter_dir.iterdir()}
     assert list((summary_path.parent / "checkpoints").glob("step-*.pt"))
-    log = (workdir / "logs" / "tiny" / "train.log").read_text()
+    log = (tmp_path / "logs" / "tiny" / "train.log").read_text()
     assert "torch.distributed.run" in log and "val step" in log
 
 

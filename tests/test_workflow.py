@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 from conftest import (
-    REPO, copy_before_extraction, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations,
-    tiny_workflow_config, wait_until,
+    REPO, planned_jobs, run_snakemake, snakemake_command, synthetic_conversations, tiny_workflow_config, wait_until,
 )
 from eaglenest.formats import atomic
 from eaglenest.stages import prepare
@@ -35,6 +34,12 @@ def hidden_dir(workdir: Path) -> Path:
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, bytes]]:
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(directory.glob("shard-*.safetensors"))}
+
+
+def new_workdir(tmp_path_factory, tiny_llama, name: str, **sections) -> tuple[Path, Path]:
+    workdir = tmp_path_factory.mktemp(name)
+    conversations = synthetic_conversations(workdir / "conversations.jsonl", 40)
+    return workdir, tiny_workflow_config(workdir, tiny_llama, conversations, **sections)
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +121,9 @@ def test_corrupt_shard_is_detected_and_only_it_is_rebuilt(tmp_path_factory, tiny
     assert after[SHARDS[1]][2] == (hidden_dir(reference_dir) / SHARDS[1]).read_bytes()
 
 
-def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_path_factory, finished_run):
-    reference_dir, config = finished_run
-    # The run starts with the extraction jobs, without waiting for ingest and prepare one core
-    # at a time first.
-    workdir = copy_before_extraction(finished_run, tmp_path_factory.mktemp("killed") / "w")
+def test_rerun_after_sigkill_during_extraction_makes_only_missing_shards(tmp_path_factory, tiny_llama, finished_run):
+    reference_dir, _ = finished_run
+    workdir, config = new_workdir(tmp_path_factory, tiny_llama, "killed")
     shards_dir = hidden_dir(workdir)
     process = subprocess.Popen(
         snakemake_command(workdir, config, "--cores", "1", *DATA_HALF),
