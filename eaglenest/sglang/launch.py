@@ -279,9 +279,10 @@ class ServerExitedError(sglang_client.SglangServerError):
     """The server process ended before it answered as ours."""
 
 
-def wait_until_ready(url: str, process: subprocess.Popen, capture: dict, timeout_s: float, log_path: Path, poll_s: float = 1.0) -> dict:
+def wait_until_ready(url: str, process: subprocess.Popen, capture: dict, timeout_s: float, log_path: Path, poll_s: float = 0.2) -> dict:
     """Poll /eaglenest/info until the server answers as ours (with this start's launch token,
-    when the capture settings carry one); fail early when it exits."""
+    when the capture settings carry one); fail early when it exits. A poll is one local
+    request, so a ready server is seen within ``poll_s`` at next to no cost."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
     while time.monotonic() < deadline:
@@ -375,10 +376,11 @@ def served(settings, inputs, config: dict, what: str):
     return dataclasses.replace(settings, url=record["url"])
 
 
-def wait_for_service(path: str | os.PathLike, startup_timeout_s: float, poll_s: float = 1.0) -> dict:
+def wait_for_service(path: str | os.PathLike, startup_timeout_s: float, poll_s: float = 0.2) -> dict:
     """The ready record of the block's server (its URL); SglangServerError when it failed,
     was stopped, its launcher died, or it was not ready in time. A shard job calls this
-    first: Snakemake started it together with the server, which may still be loading."""
+    first: Snakemake started it together with the server, which may still be loading.
+    A poll reads one small file, so the job starts within ``poll_s`` of the server's ready."""
     started = time.monotonic()
     seen = None
     while True:
