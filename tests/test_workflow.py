@@ -229,8 +229,8 @@ def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone
 
 def test_arms_train_side_by_side_on_the_data_in_place_without_remaking_what_made_it(finished_run, tmp_path):
     """benchmarks/train_arms.sh: the run's drafter and an arm trained at once on the data in
-    place. Its source is newer than the ingested conversations, so a plain rerun would ingest,
-    prepare and extract again; the arms' Snakemake allows none of that and reads what is there."""
+    place. Its source is newer than the ingested conversations, so a plain rerun would ingest and
+    prepare again; the arms' Snakemake allows neither and reads what is there."""
     import sys
 
     source, _ = finished_run
