@@ -102,6 +102,11 @@ def main(argv=None) -> int:
     parser.add_argument("--by-confidence", action="store_true",
                         help="also split each drafter's accuracy by the target's probability of its own top token")
     parser.add_argument("--cores", type=int, default=os.cpu_count())
+    parser.add_argument("--device", default="cpu",
+                        help="where the target's hidden states are extracted and the drafters scored (cpu, cuda)")
+    parser.add_argument("--rows-per-step", type=int, default=1,
+                        help="rows of data.max_len tokens scored at once (1 keeps a CPU's memory at a few GB; "
+                             "a GPU takes more)")
     parser.add_argument("--directory", type=Path, default=REPO, help="the workflow's working directory")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
         rows, timings = [], {}
         for dtype in args.dtype or [base["extract"]["dtype"]]:
             overlay = run_overlay(f"eval-set-validation-{args.eval_set}-{dtype}-{digest}", path, len(rows_in), len(rows_in),
-                                  "cpu", next(iter(drafters.values())))
+                                  args.device, next(iter(drafters.values())))
             overlay["extract"]["dtype"] = dtype
             overlay_path = work / f"{overlay['run']}.yaml"
             overlay_path.write_text(yaml.safe_dump(overlay, sort_keys=False))
@@ -142,8 +147,8 @@ def main(argv=None) -> int:
             config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
                                work / f"{overlay['run']}.snakemake.log")
             timings[f"{dtype}_data_s"] = round(time.monotonic() - started, 1)
-            rows += score_drafters(config, args.directory, drafters, 1, dtype, timings, args.by_confidence)
-    table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            rows += score_drafters(config, args.directory, drafters, args.rows_per_step, dtype, timings, args.by_confidence)
+    table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores", "device": args.device,
              "eval_set": args.eval_set, "references": str(source), "prompts": len(rows_in),
              "answers_token_for_token": exact, "answer_tokens": answer_tokens, "configs": args.config, "seconds": timings, "rows": rows}
     args.out.write_text(json.dumps(table, indent=1))
