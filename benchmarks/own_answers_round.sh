@@ -14,7 +14,8 @@
 # own --gc-threshold beside the config's), INTERVALS (WORKFLOW_CLIENT_INTERVALS, 64), TRAIN
 # (1; 0 = regeneration only), BESIDE_CONFIGS (overlays of train settings: a second drafter trained
 # on the same hidden states beside the first, benchmarks/train_beside.sh, in OUTDIR/beside/).
-# Writes OUTDIR/round.log and OUTDIR/DONE; the regeneration's files in OUTDIR/regen/, the
+# Writes OUTDIR/round.log, OUTDIR/REGEN_DONE after the regeneration and OUTDIR/DONE at the end
+# (after the training); the regeneration's files in OUTDIR/regen/, the
 # training's in logs/h200/. DRY_RUN=1 plans the regeneration and trains nothing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,9 @@ ORDER=regen SKIP=serve GC_STATS="${GC_STATS:-1}" PROFILE_STEPS="${PROFILE_STEPS:
     WORKFLOW_CLIENT_INTERVALS="${INTERVALS:-64}" CEILING_SWEEP="${CEILING_SWEEP---gc-threshold 700 10 10}" \
     bash benchmarks/sglang_round.sh "$OUT" "${REGEN[@]}"
 log "sglang_round.sh rc=$?"
+# sglang_round.sh marks its own end with OUTDIR/DONE (its REGEN_DONE stays): DONE marks this
+# whole round's, so a caller waiting on it does not take the regeneration's end for it
+rm -f "$OUT/DONE"
 if [ "${DRY_RUN:-0}" = 1 ]; then
     log "dry run: training (SNAKEMAKE=\"$TRAIN_SNAKEMAKE\" benchmarks/run.sh --carried-data --no-evaluate ${TRAIN_OVERLAYS[*]}) not started"
 elif [ "${TRAIN:-1}" = 1 ]; then
