@@ -101,6 +101,8 @@ def main(argv=None) -> int:
                         help="repeatable: storage dtype of the hidden states (default: the configs')")
     parser.add_argument("--by-confidence", action="store_true",
                         help="also split each drafter's accuracy by the target's probability of its own top token")
+    parser.add_argument("--confidence-edges", type=float, nargs="+", default=None, metavar="P",
+                        help="with --by-confidence: the bins' inner edges, ascending (default 0.3 0.5 0.7 0.9)")
     parser.add_argument("--cores", type=int, default=os.cpu_count())
     parser.add_argument("--device", default="cpu",
                         help="where the target's hidden states are extracted and the drafters scored (cpu, cuda)")
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if (args.references is None) == (args.conversations is None):
         parser.error("give --references (an eval set's) or --conversations (answered conversations)")
+    edges = args.confidence_edges
+    if edges is not None and (edges != sorted(set(edges)) or not 0 < edges[0] or not edges[-1] < 1):
+        parser.error(f"--confidence-edges {edges}: ascending, each strictly between 0 and 1")
     drafters = {name: str(Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.drafter)}
     args.out = args.out.resolve()
     source = (args.references or args.conversations).resolve()
@@ -147,7 +152,8 @@ def main(argv=None) -> int:
             config = build_run(args.directory, [*args.config, str(overlay_path)], args.cores,
                                work / f"{overlay['run']}.snakemake.log")
             timings[f"{dtype}_data_s"] = round(time.monotonic() - started, 1)
-            rows += score_drafters(config, args.directory, drafters, args.rows_per_step, dtype, timings, args.by_confidence)
+            rows += score_drafters(config, args.directory, drafters, args.rows_per_step, dtype, timings, args.by_confidence,
+                                   args.confidence_edges)
     table = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {os.cpu_count()} cores", "device": args.device,
              "eval_set": args.eval_set, "references": str(source), "prompts": len(rows_in),
              "answers_token_for_token": exact, "answer_tokens": answer_tokens, "configs": args.config, "seconds": timings, "rows": rows}

@@ -143,7 +143,7 @@ def validate_both(args, drafters: dict[str, str], regenerated: list[Path]) -> in
 
 
 def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows_per_step: int, answers: str,
-                   timings: dict, by_confidence: bool = False) -> list[dict]:
+                   timings: dict, by_confidence: bool = False, confidence_edges=None) -> list[dict]:
     """Every drafter scored on every sample of a run the workflow made (``config``, as
     :func:`build_run` returns it): a row per drafter, printed as it comes; each one's seconds
     into ``timings`` as ``<answers>_<name>_s``."""
@@ -154,7 +154,8 @@ def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows
     for name, drafter in drafters.items():
         started = time.monotonic()
         result = train.validate_drafter(drafter, *consolidated, directory / config["target"]["path"], settings,
-                                        split="all", by_confidence=by_confidence)
+                                        split="all", by_confidence=by_confidence,
+                                        **({"confidence_edges": confidence_edges} if confidence_edges else {}))
         timings[f"{answers}_{name}_s"] = round(time.monotonic() - started, 1)
         rows.append({"drafter": name, "path": drafter, "answers": answers, "run": config["run"], **result})
         print_row(rows[-1])
@@ -167,9 +168,11 @@ def print_row(row: dict) -> None:
           flush=True)
     if "by_confidence" in row:
         binned = row["by_confidence"]
-        for (low, high), share, acc in zip(binned["bins"], binned["share"][0], binned["acc"][0]):
+        for (low, high), share, acc, sure in zip(binned["bins"], binned["share"][0], binned["acc"][0],
+                                                 binned["mean_sureness"][0]):
             shown = "-" if acc is None else f"{acc:.3f}"
-            print(f"    target's top-token probability {low:.1f}-{high:.1f}: {share:6.1%} of positions, "
+            mean = "" if sure is None else f" (mean {sure:.3f})"
+            print(f"    target's top-token probability {low:.2f}-{high:.2f}{mean}: {share:6.1%} of positions, "
                   f"acc at step 0 {shown}", flush=True)
 
 

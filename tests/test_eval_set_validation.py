@@ -104,11 +104,21 @@ def test_answered_conversations_are_scored_as_they_are(tmp_path, tiny_llama):
               "--out", str(out)]
     with pytest.raises(SystemExit):  # one source of answers, not both
         eval_set_validation.main(["--conversations", str(answered), "--references", str(tmp_path), *common])
-    assert eval_set_validation.main(["--conversations", str(answered), "--by-confidence", *common]) == 0
+    with pytest.raises(SystemExit):  # bin edges ascending, inside (0, 1)
+        eval_set_validation.main(["--conversations", str(answered), "--by-confidence", "--confidence-edges", "0.9", "0.5",
+                                  *common])
+    assert eval_set_validation.main(["--conversations", str(answered), "--by-confidence",
+                                     "--confidence-edges", "0.02", "0.5", "0.99", *common]) == 0
     table = json.loads(out.read_text())
     assert table["prompts"] == 2 and table["answers_token_for_token"] is None
     (row,) = table["rows"]
-    assert [sum(step) for step in row["by_confidence"]["positions"]] == row["positions"]
+    binned = row["by_confidence"]
+    assert binned["bins"] == [[0.0, 0.02], [0.02, 0.5], [0.5, 0.99], [0.99, 1.0]]
+    assert [sum(step) for step in binned["positions"]] == row["positions"]
+    # each bin's mean sureness lies in the bin: a random tiny target is unsure, so some bin has positions
+    for (low, high), mean in zip(binned["bins"], binned["mean_sureness"][0]):
+        assert mean is None or low <= mean <= high
+    assert any(mean is not None for mean in binned["mean_sureness"][0])
     index = json.loads((workdir / "results" / row["run"] / "consolidated" / "index.json").read_text())
     assert index["totals"]["samples"] == 2 and row["positions"][0] > 0
     written = [json.loads(line) for line in

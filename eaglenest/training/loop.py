@@ -174,8 +174,9 @@ def validate_by_confidence(objective: TTTObjective, head: TargetHead, dataset, s
     per position, beside the objective's summed hits."""
     length = settings["ttt_length"]
     bounds = torch.tensor(edges, dtype=torch.float32, device=device)
-    # [hits, count] per step and bin
-    sums = torch.zeros(length, len(edges) + 1, 2, dtype=torch.float64, device=device)
+    # [hits, count, summed sureness] per step and bin: the mean sureness tells two sets' positions
+    # in one bin apart (a wide bin holds surer positions in one set than in the other)
+    sums = torch.zeros(length, len(edges) + 1, 3, dtype=torch.float64, device=device)
     weight = objective.drafter.lm_head.weight
     for batch, target_logits, positions in _validation_batches(head, dataset, settings, device, hidden_dtype, 0, 1):
         target_ids = target_logits.argmax(-1)
@@ -188,14 +189,16 @@ def validate_by_confidence(objective: TTTObjective, head: TargetHead, dataset, s
                 sums[j, :, 0] += torch.bincount(bins, weights=(guessed == target_ids[wanted]).double(),
                                                 minlength=len(edges) + 1)
                 sums[j, :, 1] += torch.bincount(bins, minlength=len(edges) + 1).double()
+                sums[j, :, 2] += torch.bincount(bins, weights=sureness[wanted].double(), minlength=len(edges) + 1)
     sums = sums.tolist()
     lows = (0.0, *edges)
     highs = (*edges, 1.0)
     return {
         "bins": [[low, high] for low, high in zip(lows, highs)],
-        "positions": [[int(count) for _, count in step] for step in sums],
-        "acc": [[hits / count if count else None for hits, count in step] for step in sums],
-        "share": [[count / max(sum(c for _, c in step), 1) for _, count in step] for step in sums],
+        "positions": [[int(count) for _, count, _ in step] for step in sums],
+        "acc": [[hits / count if count else None for hits, count, _ in step] for step in sums],
+        "share": [[count / max(sum(c for _, c, _ in step), 1) for _, count, _ in step] for step in sums],
+        "mean_sureness": [[summed / count if count else None for _, count, summed in step] for step in sums],
     }
 
 
