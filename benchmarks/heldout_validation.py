@@ -154,8 +154,7 @@ def score_drafters(config: dict, directory: Path, drafters: dict[str, str], rows
     for name, drafter in drafters.items():
         started = time.monotonic()
         result = train.validate_drafter(drafter, *consolidated, directory / config["target"]["path"], settings,
-                                        split="all", by_confidence=by_confidence,
-                                        **({"confidence_edges": confidence_edges} if confidence_edges else {}))
+                                        split="all", by_confidence=by_confidence, confidence_edges=confidence_edges)
         timings[f"{answers}_{name}_s"] = round(time.monotonic() - started, 1)
         rows.append({"drafter": name, "path": drafter, "answers": answers, "run": config["run"], **result})
         print_row(rows[-1])

@@ -228,7 +228,7 @@ SAMPLE_FILTERS = {
 
 def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, target_path, settings: dict | None = None,
                      expect: dict | None = None, samples: str = "all", split: str = "val",
-                     by_confidence: bool = False, confidence_edges=loop.CONFIDENCE_EDGES) -> dict:
+                     by_confidence: bool = False, confidence_edges=None) -> dict:
     """``validate`` of any saved drafter (train output, checkpoint file or export) on a run's
     validation split, in eager mode: what the training curve's validation measured, recomputed
     outside the training process (e.g. to check a compiled run's figures). ``samples``
@@ -238,7 +238,7 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     ``split`` "all" scores every sample of the run: a run made of held-out conversations only
     (benchmarks/heldout_validation.py). ``by_confidence`` adds the accuracy split by how sure the
     target is of each token (``loop.validate_by_confidence``, its bins' inner edges
-    ``confidence_edges``) as "by_confidence"."""
+    ``confidence_edges``, default ``loop.CONFIDENCE_EDGES``) as "by_confidence"."""
     from eaglenest.stages import export
 
     settings = settings_lib.section(settings, "train")
@@ -256,7 +256,7 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     result = loop.validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
     if by_confidence:
         result["by_confidence"] = loop.validate_by_confidence(objective, head, val_set, settings, device, hidden_dtype,
-                                                              tuple(confidence_edges))
+                                                              tuple(confidence_edges or loop.CONFIDENCE_EDGES))
     return result
 
 
