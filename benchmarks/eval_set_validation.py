@@ -48,6 +48,7 @@ from heldout_validation import build_run, run_overlay, score_drafters  # noqa: E
 from eaglenest.layout import eval_set_path  # noqa: E402
 from eaglenest.node.recon.config import load_config  # noqa: E402
 from eaglenest.stages import evaluate, prepare  # noqa: E402
+from eaglenest.training import loop  # noqa: E402
 
 
 def references(chunks_dir: Path) -> list[dict]:
@@ -114,9 +115,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if (args.references is None) == (args.conversations is None):
         parser.error("give --references (an eval set's) or --conversations (answered conversations)")
-    edges = args.confidence_edges
-    if edges is not None and (edges != sorted(set(edges)) or not 0 < edges[0] or not edges[-1] < 1):
-        parser.error(f"--confidence-edges {edges}: ascending, each strictly between 0 and 1")
+    if args.confidence_edges is not None:
+        try:
+            args.confidence_edges = loop.confidence_edges(args.confidence_edges)
+        except ValueError as error:
+            parser.error(f"--confidence-edges: {error}")
     drafters = {name: str(Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.drafter)}
     args.out = args.out.resolve()
     source = (args.references or args.conversations).resolve()

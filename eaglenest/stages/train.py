@@ -256,7 +256,7 @@ def validate_drafter(drafter_path, index_path, draft_vocab_path, split_path, tar
     result = loop.validate(objective, head, val_set, settings, device, hidden_dtype, top_draft_id)
     if by_confidence:
         result["by_confidence"] = loop.validate_by_confidence(objective, head, val_set, settings, device, hidden_dtype,
-                                                              tuple(confidence_edges or loop.CONFIDENCE_EDGES))
+                                                              confidence_edges or loop.CONFIDENCE_EDGES)
     return result
 
 

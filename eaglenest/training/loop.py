@@ -163,6 +163,15 @@ def validate(objective: TTTObjective, head: TargetHead, dataset, settings, devic
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)
 
 
+def confidence_edges(edges) -> tuple[float, ...]:
+    """The inner edges of validate_by_confidence's bins, checked: ascending, each strictly
+    between 0 and 1 (torch.bucketize gives meaningless bins otherwise)."""
+    edges = tuple(float(edge) for edge in edges)
+    if not edges or list(edges) != sorted(set(edges)) or not 0 < edges[0] or not edges[-1] < 1:
+        raise ValueError(f"confidence bin edges {list(edges)}: ascending, each strictly between 0 and 1")
+    return edges
+
+
 @torch.no_grad()
 def validate_by_confidence(objective: TTTObjective, head: TargetHead, dataset, settings, device, hidden_dtype,
                            edges=CONFIDENCE_EDGES) -> dict:
@@ -173,6 +182,7 @@ def validate_by_confidence(objective: TTTObjective, head: TargetHead, dataset, s
     a drafter that has not learned the set. One process; the drafter's logits are formed here,
     per position, beside the objective's summed hits."""
     length = settings["ttt_length"]
+    edges = confidence_edges(edges)
     bounds = torch.tensor(edges, dtype=torch.float32, device=device)
     # [hits, count, summed sureness] per step and bin: the mean sureness tells two sets' positions
     # in one bin apart (a wide bin holds surer positions in one set than in the other)
