@@ -29,7 +29,7 @@ TRAIN_CONTENT_KEYS = (
 )
 # train keys that decide the weights too but count only when not at their schema default, so that
 # adding one leaves the fingerprint and the rerun trigger of every run that does not set it as they were.
-TRAIN_CONTENT_KEYS_IF_SET = ("target_temperature",)
+TRAIN_CONTENT_KEYS_IF_SET = ("target_temperature", "short_context_tokens", "short_context_weight")
 
 
 def train_content(train: dict) -> dict:

@@ -268,25 +268,30 @@ def test_recomputed_steps_give_the_same_loss_and_gradients_and_do_recompute(tiny
         torch.testing.assert_close(re_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-def test_one_shared_head_gradient_buffer_gives_the_per_step_gradients(tiny_run, recompute):
+@pytest.mark.parametrize("recompute,weighted", [(False, False), (True, False), (False, True)])
+def test_one_shared_head_gradient_buffer_gives_the_per_step_gradients(tiny_run, recompute, weighted):
     """step_weights: every TTT step adds its head-weight gradient, times its loss weight, to one
     float32 buffer in the forward pass (draft_loss.SharedHeadGradient) instead of keeping its
     own. Judged against autograd through each step's own gradient: same loss, CEs, hits, and
-    every parameter's gradient, for an upstream gradient other than one."""
+    every parameter's gradient, for an upstream gradient other than one; also with each
+    position weighted (train.short_context_weight)."""
     from eaglenest.model import drafter as drafter_lib
+    from eaglenest.training.loop import short_context_weights
 
     batch, draft_vocab, target_logits, positions = first_step(tiny_run, ttt_length=4)
     step_weights = torch.tensor([0.8 ** j / max(len(p), 1) for j, p in enumerate(positions)], dtype=torch.float64)
+    position_weights = short_context_weights(batch, positions, 20, 3.0) if weighted else None
+    if weighted:  # both kinds of position in every step
+        assert all(0 < int((w == 3.0).sum()) < len(w) for w in position_weights)
     outcomes = []
     for shared in (False, True):
         model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
         objective = TTTObjective(model, 4, attention_backend="dense", recompute_steps=recompute, loss_chunk_rows=7)
         if shared:
-            loss, results = objective(batch, target_logits, positions, step_weights)
+            loss, results = objective(batch, target_logits, positions, step_weights, position_weights)
             assert all(not ce.requires_grad for ce, _, _ in results)
         else:
-            results = objective(batch, target_logits, positions)
+            results = objective(batch, target_logits, positions, position_weights=position_weights)
             loss = sum(w * ce for w, (ce, _, _) in zip(step_weights, results))
         (loss * 3.0).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -665,8 +670,9 @@ def test_rule_params_hold_exactly_the_settings_that_decide_the_weights():
     # their fingerprint and params), present otherwise.
     for key in settings.TRAIN_CONTENT_KEYS_IF_SET:
         default = train.DEFAULTS[key]
+        changed = default / 2 if default else 512
         assert key not in settings.train_content(train.DEFAULTS)
-        assert settings.train_content({**train.DEFAULTS, key: default / 2})[key] == default / 2
+        assert settings.train_content({**train.DEFAULTS, key: changed})[key] == changed
     assert re.search(r'objective="([^"]+)"', rule).group(1) == OBJECTIVE
 
 
@@ -718,6 +724,75 @@ def test_head_soft_cross_entropy_equals_autograd_of_the_plain_formula(chunk_rows
     for fused_grad, plain_grad in zip(got, expected):
         assert fused_grad.dtype == torch.float64
         torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-7)  # float32 inside
+
+
+@pytest.mark.parametrize("chunk_rows", [1000, 8])
+def test_row_weights_weigh_each_rows_loss_and_gradient(chunk_rows):
+    """train.short_context_weight: the fused loss with row weights r is sum_i r_i CE_i, and its
+    gradients (input and head weight) are autograd's of that plain formula; the hits stay a
+    count of rows."""
+    generator = torch.Generator().manual_seed(4)
+    rows, hidden, vocab = 29, 12, 23
+    normed = torch.randn(rows, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=generator, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(rows, vocab, generator=generator, dtype=torch.float64)
+    row_weights = torch.where(torch.rand(rows, generator=generator) < 0.4, 3.0, 1.0).to(torch.float64)
+    logits = normed @ weight.T
+    per_row = -(torch.softmax(target, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    plain = (per_row * row_weights).sum()
+    expected = torch.autograd.grad(plain * 0.37, (normed, weight))
+    fused, hits = draft_loss.head_soft_cross_entropy(normed, weight, target, target.argmax(-1), chunk_rows,
+                                                     row_weights=row_weights)
+    got = torch.autograd.grad(fused * 0.37, (normed, weight))
+    assert int(hits) == int((logits.argmax(-1) == target.argmax(-1)).sum())
+    torch.testing.assert_close(fused, plain.float(), rtol=1e-6, atol=1e-6)
+    unweighted, _ = draft_loss.head_soft_cross_entropy(normed, weight, target, target.argmax(-1), chunk_rows)
+    assert float(fused) > float(unweighted) * 1.2  # the weights did count
+    for fused_grad, plain_grad in zip(got, expected):  # float32 inside, weights of 3 in the sums
+        torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_short_context_weights_follow_the_predicted_tokens_place_in_its_sample():
+    """Step j at t predicts x_{t+2+j}: its weight is the short-context weight while that token has
+    fewer than ``tokens`` tokens before it in its own sample (position ids restart per sample)."""
+    from eaglenest.training.loop import short_context_weights
+
+    batch = {"position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])}
+    positions = [torch.tensor([0, 1, 2, 3, 6, 7]), torch.tensor([0, 1, 2, 6])]
+    step0, step1 = short_context_weights(batch, positions, 4, 2.5)
+    # step 0: predicted tokens at 2, 3, 4, 5, 8, 9 -> places 2, 3, 4, 5, 2, 3
+    assert step0.tolist() == [2.5, 2.5, 1.0, 1.0, 2.5, 2.5]
+    # step 1: predicted tokens at 3, 4, 5, 9 -> places 3, 4, 5, 3
+    assert step1.tolist() == [2.5, 1.0, 1.0, 2.5] and step1.dtype == torch.float32
+
+
+def test_train_step_normalises_a_weighted_loss_by_the_summed_weight(tiny_run):
+    """train_step with short_context (tokens, weight): each step's CE is divided by its positions'
+    summed weight, so one weight for every position changes nothing; a weight on part of them
+    changes the update; the logged counts stay the positions."""
+    from eaglenest.model import drafter as drafter_lib
+    from eaglenest.training import loop
+
+    batch, draft_vocab, _, _ = first_step(tiny_run, ttt_length=3)
+    updates, counts = [], []
+    for short_context in (None, (10**6, 3.0), (20, 3.0)):
+        model = drafter_lib.build_drafter(tiny_run["target_path"], draft_vocab, LAYER_IDS, target_name="tiny-llama", seed=0)
+        head = TargetHead(tiny_run["target_path"], draft_vocab["t2d"], torch.device("cpu"), torch.float32)
+        objective = TTTObjective(model, 3, attention_backend="dense")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in trainable]
+        optimizer = torch.optim.SGD(trainable, lr=1.0)
+        _, global_counts, _ = loop.train_step(objective, head, dict(batch), float(batch["tokens"]), [1.0, 0.8, 0.64],
+                                              trainable, optimizer, 1e9, torch.autocast("cpu", enabled=False),
+                                              short_context=short_context)
+        updates.append(torch.cat([(b - p.detach()).flatten() for b, p in zip(before, trainable)]))
+        counts.append(global_counts.tolist())
+    plain, everywhere, part = updates
+    # float32 sums of three times the terms: within 1e-5 of the update's scale
+    torch.testing.assert_close(everywhere, plain, rtol=1e-4, atol=1e-5 * float(plain.abs().max()))
+    assert float((part - plain).norm()) > 1e-3 * float(plain.norm())
+    assert counts[0][:4] == counts[1][:4] == counts[2][:4]  # positions per step, tokens
+    assert counts[0][4:] == counts[0][:3] and counts[1][4:] == [3.0 * c for c in counts[0][:3]]
 
 
 @pytest.mark.integration

@@ -22,7 +22,7 @@ import torch
 
 
 def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids: torch.Tensor, with_grad: bool,
-                  per_row: bool = False):
+                  per_row: bool = False, row_weights: torch.Tensor | None = None):
     """(sum over rows of -sum_k p_k log softmax(z)_k in float32, top-1 hits (argmax z ==
     ``target_ids``), d/dz of that sum in ``logits``' dtype or None), for z = ``logits`` and
     p = softmax(``target_logits``), both [rows, vocab].
@@ -36,13 +36,19 @@ def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids:
     compiler fuses them into the kernels that read a row; one dot product over the whole block
     made it split that reduction into kernels of their own. On an H200 (benchmarks/loss_chunk.py)
     an 8,192 x 32,000 chunk took 4.85 ms that way and takes 1.89 ms row by row (7.20 ms eagerly).
-    Eagerly the one dot product needs no [rows, vocab] temporary."""
+    Eagerly the one dot product needs no [rows, vocab] temporary.
+
+    ``row_weights`` [rows] (train.short_context_weight): the sum weighs each row's CE by its
+    weight. The gradient returned stays unweighted (the caller scales the head's [rows, H]
+    products by the weights, not this [rows, vocab] block)."""
     z = logits.float()
     # z is logits widened exactly: the same argmax, ties included.
     hits = (z.argmax(-1) == target_ids).sum()
     lse = torch.logsumexp(z, dim=-1)
     p = torch.softmax(target_logits.float(), dim=-1)
-    if per_row:
+    if row_weights is not None:
+        total = ((lse - (p * z).sum(-1)) * row_weights).sum()
+    elif per_row:
         total = (lse - (p * z).sum(-1)).sum()
     else:
         total = lse.sum() - torch.dot(p.flatten(), z.flatten())
@@ -51,9 +57,9 @@ def soft_ce_chunk(logits: torch.Tensor, target_logits: torch.Tensor, target_ids:
     return total, hits, z.sub_(lse.unsqueeze(-1)).exp_().sub_(p).to(logits.dtype)
 
 
-def soft_ce_chunk_per_row(logits, target_logits, target_ids, with_grad):
+def soft_ce_chunk_per_row(logits, target_logits, target_ids, with_grad, row_weights=None):
     """soft_ce_chunk with its reductions row by row: the function compiled for a GPU."""
-    return soft_ce_chunk(logits, target_logits, target_ids, with_grad, per_row=True)
+    return soft_ce_chunk(logits, target_logits, target_ids, with_grad, per_row=True, row_weights=row_weights)
 
 
 _compiled_chunk = None
@@ -82,11 +88,12 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
     normed [N, H], weight [D, H] (the drafter's lm_head), target_logits [N, D] (the target's
     draft-vocabulary logits), target_ids [N] (their argmax). Rows go ``chunk_rows`` at a time,
     so no more than one chunk's [chunk_rows, D] float32 block exists. The gradient of the
-    weight is accumulated in float32 over the chunks."""
+    weight is accumulated in float32 over the chunks. ``row_weights`` [N] (or None) weighs each
+    row's CE in the sum, and so its gradient; the hits are counted unweighted."""
 
     @staticmethod
     def forward(ctx, normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool,
-                shared_weight_grad=None, scale=None):
+                shared_weight_grad=None, scale=None, row_weights=None):
         ctx.normed_dtype, ctx.weight_dtype = normed.dtype, weight.dtype
         want_input, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # A shared float32 buffer takes this step's weight gradient, times its loss weight ``scale``,
@@ -102,16 +109,22 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         for start in range(0, x.shape[0], chunk_rows):
             part = slice(start, start + chunk_rows)
-            part_total, part_hits, grad_logits = chunk(x[part] @ w.T, target_logits[part], target_ids[part], with_grad)
+            part_weights = None if row_weights is None else row_weights[part]
+            part_total, part_hits, grad_logits = chunk(x[part] @ w.T, target_logits[part], target_ids[part], with_grad,
+                                                       row_weights=part_weights)
             total += part_total
             hits += part_hits
             if with_grad:
+                # d(sum r_i CE_i)/dz_i = r_i (softmax(z_i) - p_i): the weights scale the rows of the
+                # products' [rows, H] operands, not the [rows, vocab] gradient block.
+                scaled = None if part_weights is None else part_weights.unsqueeze(-1).to(x.dtype)
+                inputs = x[part] if scaled is None else x[part] * scaled
                 if want_input:
-                    grad_input[part] = grad_logits @ w
+                    grad_input[part] = grad_logits @ w if scaled is None else (grad_logits @ w) * scaled
                 if want_weight:
-                    grad_weight += grad_logits.T @ x[part]
+                    grad_weight += grad_logits.T @ inputs
                 if shared:
-                    shared_weight_grad.addcmul_(grad_logits.T @ x[part], scale)
+                    shared_weight_grad.addcmul_(grad_logits.T @ inputs, scale)
         ctx.save_for_backward(grad_input, grad_weight)
         ctx.mark_non_differentiable(hits)
         return total, hits
@@ -121,12 +134,15 @@ class HeadSoftCrossEntropy(torch.autograd.Function):
         grad_input, grad_weight = ctx.saved_tensors
         scaled_input = None if grad_input is None else (grad_input * grad_total).to(ctx.normed_dtype)
         scaled_weight = None if grad_weight is None else (grad_weight * grad_total).to(ctx.weight_dtype)
-        return scaled_input, scaled_weight, None, None, None, None, None, None
+        return scaled_input, scaled_weight, None, None, None, None, None, None, None
 
 
-def head_soft_cross_entropy(normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool = False):
-    """(sum of soft CE as a float32 tensor with a gradient, top-1 hits as an int64 tensor)."""
-    return HeadSoftCrossEntropy.apply(normed, weight, target_logits, target_ids, chunk_rows, compiled)
+def head_soft_cross_entropy(normed, weight, target_logits, target_ids, chunk_rows: int, compiled: bool = False,
+                            row_weights=None):
+    """(sum of soft CE, each row's times its ``row_weights`` entry if given, as a float32 tensor
+    with a gradient; top-1 hits as an int64 tensor)."""
+    return HeadSoftCrossEntropy.apply(normed, weight, target_logits, target_ids, chunk_rows, compiled, None, None,
+                                      row_weights)
 
 
 class _AttachHeadGradient(torch.autograd.Function):
@@ -166,11 +182,13 @@ class SharedHeadGradient:
         self.weight = weight
         self.buffer = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
 
-    def step(self, normed, target_logits, target_ids, chunk_rows: int, scale: torch.Tensor, compiled: bool = False):
-        """(sum of soft CE with a gradient to ``normed`` only, top-1 hits)."""
+    def step(self, normed, target_logits, target_ids, chunk_rows: int, scale: torch.Tensor, compiled: bool = False,
+             row_weights=None):
+        """(sum of soft CE, weighted by ``row_weights`` if given, with a gradient to ``normed``
+        only; top-1 hits)."""
         scale = scale.to(device=self.buffer.device, dtype=torch.float32)
         return HeadSoftCrossEntropy.apply(normed, self.weight.detach(), target_logits, target_ids, chunk_rows,
-                                          compiled, self.buffer, scale)
+                                          compiled, self.buffer, scale, row_weights)
 
     def loss(self, terms) -> torch.Tensor:
         """sum of ``terms`` (each a step's scale x CE) plus the zero that carries the weight's

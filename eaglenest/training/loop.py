@@ -51,14 +51,29 @@ def most_frequent_draft_id(draft_vocab: dict) -> int:
     return int(draft_vocab["token_counts"][draft_vocab["t2d"]].argmax())
 
 
+def short_context_weights(batch: dict, positions: list[torch.Tensor], tokens: int, weight: float) -> list[torch.Tensor]:
+    """Per TTT step, each counted position's weight in the loss: ``weight`` where the token it
+    predicts (x_{t+2+j}) has fewer than ``tokens`` tokens before it in its sample, else 1.
+
+    A drafter serves first answers with a short context behind them (MT-bench's first turns,
+    HumanEval's prompts), while most of a multi-turn sample's positions sit deep in its
+    conversation, where drafting is easier (docs/training.md)."""
+    context = batch["position_ids"].flatten()
+    return [torch.where(context[rows + 2 + j] < tokens, float(weight), 1.0).to(torch.float32)
+            for j, rows in enumerate(positions)]
+
+
 def train_step(objective, head: TargetHead, batch: dict | None, local_tokens: float, decay_weights: list[float],
                trainable: list[torch.Tensor], optimizer, max_grad_norm: float, autocast, mark=None,
-               after_backward=None, in_draft_cache: InDraftCache | None = None):
+               after_backward=None, in_draft_cache: InDraftCache | None = None,
+               short_context: tuple[int, float] | None = None):
     """One optimizer step on a batch already on the device (None: a rank with no row this step):
     the target's soft labels, the counted positions, the TTT unroll's loss, backward, gradient
     clipping, the optimizer. ``objective`` is the TTTObjective or its DDP wrapper.
-    Returns (per-step results, the global counts [positions per TTT step, tokens] as a device
-    tensor, the gradient norm). ``mark(phase)`` is called as each phase is queued ("target head",
+    Returns (per-step results, the global counts [positions per TTT step, tokens, the loss's
+    normaliser per TTT step] as a device tensor, the gradient norm). ``short_context`` (tokens,
+    weight) weighs positions of a short context (:func:`short_context_weights`); each step's CE
+    is then normalised by its positions' summed weight, not their number. ``mark(phase)`` is called as each phase is queued ("target head",
     "forward", "backward", "clip", "optimizer", "end"): benchmarks/train_step_anatomy.py times
     the phases from it. ``after_backward()`` runs once the backward pass is queued
     (DeviceBatches.prefetch: the next batch's copy then runs beside clipping and the optimizer,
@@ -84,15 +99,24 @@ def train_step(objective, head: TargetHead, batch: dict | None, local_tokens: fl
     else:
         target_logits, positions = None, None
         local_counts = [0.0] * (length + 1)
+    position_weights = None
+    if short_context is not None and batch is not None:
+        position_weights = short_context_weights(batch, positions, *short_context)
     global_counts = torch.tensor(local_counts, dtype=torch.float64).to(device, non_blocking=True)
-    if distributed:
+    if position_weights is None:
+        norms = global_counts[:length]
+    else:
+        norms = torch.stack([w.sum() for w in position_weights]).to(torch.float64)
+    global_counts = torch.cat([global_counts, norms])
+    if distributed:  # a rank without a row adds zeros
         dist.all_reduce(global_counts)
-    # Normalise by the global count so that DDP's mean over ranks is the global-batch loss.
-    step_weights = torch.stack([w * world_size / global_counts[j].clamp(min=1.0)
+    # Normalise by the global count (or summed weight) so that DDP's mean over ranks is the
+    # global-batch loss.
+    step_weights = torch.stack([w * world_size / global_counts[length + 1 + j].clamp(min=1.0)
                                 for j, w in enumerate(decay_weights)])
     mark("forward")
     with autocast:
-        loss, results = objective(batch, target_logits, positions, step_weights)
+        loss, results = objective(batch, target_logits, positions, step_weights, position_weights)
     mark("backward")
     loss.backward()
     if after_backward is not None:
@@ -279,11 +303,14 @@ def run_steps(run: TrainingRun, log_stream=None, stop_after_steps: int | None = 
     autocast = _autocast(device)
     length = settings["ttt_length"]
     decay_weights = [settings["decay"] ** j for j in range(length)]
+    short_context = None
+    if settings.get("short_context_tokens", 0) > 0 and settings.get("short_context_weight", 1.0) != 1.0:
+        short_context = (settings["short_context_tokens"], settings["short_context_weight"])
     loop_began = time.perf_counter()
     tokens_seen, steps_done = 0, 0
     # Steps whose statistics are still on the device: (record so far, [ce x L, hits x L, counts x L,
-    # tokens, grad norm]). Read in one copy at log, validation and checkpoint time, so that the
-    # step itself never waits for the device beyond the counted positions.
+    # tokens, loss normalisers x L, grad norm]). Read in one copy at log, validation and checkpoint
+    # time, so that the step itself never waits for the device beyond the counted positions.
     pending: list[tuple[dict, torch.Tensor]] = []
 
     def flush_records() -> None:
@@ -297,9 +324,10 @@ def run_steps(run: TrainingRun, log_stream=None, stop_after_steps: int | None = 
             stacked[:, : 2 * length] = per_rank
         for (record, _), values in zip(pending, stacked.tolist()):
             counts = values[2 * length : 3 * length]
+            norms = values[3 * length + 1 : 4 * length + 1]
             record.update({
                 "grad_norm": values[-1],
-                "loss": sum(w * values[j] / max(counts[j], 1) for j, w in enumerate(decay_weights)),
+                "loss": sum(w * values[j] / max(norms[j], 1) for j, w in enumerate(decay_weights)),
                 "acc": [values[length + j] / max(counts[j], 1) for j in range(length)],
                 "positions": [int(c) for c in counts], "tokens": int(values[3 * length]),
             })
@@ -323,7 +351,8 @@ def run_steps(run: TrainingRun, log_stream=None, stop_after_steps: int | None = 
         for step, epoch, batch, local_tokens in batches:
             results, global_counts, grad_norm = train_step(run.ddp, head, batch, local_tokens, decay_weights,
                                                            run.trainable, optimizer, settings["max_grad_norm"], autocast,
-                                                           after_backward=batches.prefetch, in_draft_cache=in_draft_cache)
+                                                           after_backward=batches.prefetch, in_draft_cache=in_draft_cache,
+                                                           short_context=short_context)
             scheduler.step()
             stats = torch.cat([
                 torch.stack([torch.as_tensor(ce, device=device).detach().to(torch.float64) for ce, _, _ in results]),

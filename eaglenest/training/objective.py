@@ -74,10 +74,11 @@ class TTTObjective(nn.Module):
         # (benchmarks/loss_chunk.py). False keeps it eager.
         self.compile_loss = compile_loss
 
-    def step_loss(self, normed_rows, target_logits, target_ids):
-        """(sum of soft CE, top-1 hits) over the rows, as device tensors."""
+    def step_loss(self, normed_rows, target_logits, target_ids, row_weights=None):
+        """(sum of soft CE, each row's times its ``row_weights`` entry if given; top-1 hits) over
+        the rows, as device tensors."""
         return draft_loss.head_soft_cross_entropy(normed_rows, self.drafter.lm_head.weight, target_logits,
-                                                  target_ids, self.loss_chunk_rows, self.compile_loss)
+                                                  target_ids, self.loss_chunk_rows, self.compile_loss, row_weights)
 
     def unroll(self, batch):
         """Yield (j, normed [B, T, H]) per TTT step. Step j at position t reads x_{t+1+j} and sits
@@ -113,14 +114,15 @@ class TTTObjective(nn.Module):
         cache.adopt(ran[0])
         return normed, hidden
 
-    def forward(self, batch, target_logits, positions, step_weights=None):
+    def forward(self, batch, target_logits, positions, step_weights=None, position_weights=None):
         """Per step: (sum of soft CE, number of positions, top-1 hits) over this rank's rows;
         CE and hits are device tensors (read at log time, not in the step).
 
         With ``step_weights`` ([ttt_length], each step's weight in the loss): (loss, those
         results), loss = sum_j step_weights[j] x CE_j, its head-weight gradient formed in the
         forward pass into one buffer for all steps (draft_loss.SharedHeadGradient); the CEs
-        returned are then detached."""
+        returned are then detached. ``position_weights`` (per step, one weight per counted
+        position, or None) weighs each position's CE in its step's sum (train.short_context_weight)."""
         if batch is None:  # a rank with no row this step still joins DDP's reduction
             zero = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
             if step_weights is None:
@@ -134,12 +136,13 @@ class TTTObjective(nn.Module):
         for j, normed in self.unroll(batch):
             rows = positions[j]
             counted = (normed.flatten(0, 1)[rows], target_logits[rows + 1 + j], target_ids[rows + 1 + j])
+            row_weights = None if position_weights is None else position_weights[j]
             if rows.numel() == 0:
                 ce, hits = normed.sum() * 0.0, normed.new_zeros((), dtype=torch.int64)
             elif shared is not None:
-                ce, hits = shared.step(*counted, self.loss_chunk_rows, step_weights[j], self.compile_loss)
+                ce, hits = shared.step(*counted, self.loss_chunk_rows, step_weights[j], self.compile_loss, row_weights)
             else:
-                ce, hits = self.step_loss(*counted)
+                ce, hits = self.step_loss(*counted, row_weights)
             results.append((ce, rows.numel(), hits))
             if step_weights is not None:
                 terms.append(step_weights[j] * ce)
