@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         if args.conversations:
             args.eval_set = args.conversations.stem  # names the run; its rows keep their sample ids
             rows_in = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-            rows_in = [{"sample_id": row["sample_id"], "messages": row["messages"]} for row in rows_in]
+            # the regenerate stage's rows, or benchmarks/heldout_eval_set.py's ({"id", "messages"})
+            rows_in = [{"sample_id": row.get("sample_id", row.get("id")), "messages": row["messages"]} for row in rows_in]
             exact, answer_tokens = None, None
         else:
             prompts = args.prompts or Path(eval_set_path(args.eval_set))

@@ -10,36 +10,92 @@ node) but not its consolidated shards, which the ``{name, split}`` entry would n
 ``--conversations`` takes several files: a regenerated folder's shards
 (``results/<run>/regenerated/<key>/shard-*.jsonl``, the same rows with the target's answers)
 give the same conversations as the target answered them.
+
+Without a split.json, ``--val-fraction F --seed S`` (the run's ``consolidate`` settings) put each
+conversation where consolidation puts it (eaglenest.stages.consolidate.in_validation).
+``--whole-only`` keeps the held-out parts of a ShareGPT conversation (``<id>_<n>``) none of whose
+other parts is among the training conversations. ``--first-answer-tokens N --tokenizer DIR``
+keeps each conversation's first user turn and the first N tokens of its answer (by the target's
+tokenizer): a position as the evaluator drafts it, a first answer with a short context.
 """
 import argparse
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eaglenest.stages import ingest  # noqa: E402
+from eaglenest.stages import consolidate, ingest  # noqa: E402
 
 
-def heldout(split_path: Path, conversations_paths: Path | list[Path], count: int | None) -> list[dict]:
-    val = set(json.loads(split_path.read_text())["val"])
+def conversation_of(sample_id: str) -> str:
+    """The ShareGPT conversation a part belongs to: ``sharegpt:abc_2`` -> ``sharegpt:abc``."""
+    return re.sub(r"_\d+$", "", ingest.base_sample_id(sample_id))
+
+
+def first_answer(messages: list[dict], tokens: int, tokenizer) -> list[dict] | None:
+    """The first user turn and the first ``tokens`` tokens of the answer that follows it; None
+    when no user turn is answered."""
+    for k, message in enumerate(messages[:-1]):
+        if message["role"] == "user" and messages[k + 1]["role"] == "assistant":
+            ids = tokenizer(messages[k + 1]["content"], add_special_tokens=False)["input_ids"][:tokens]
+            return [message, {"role": "assistant", "content": tokenizer.decode(ids)}]
+    return None
+
+
+def heldout(split_path: Path | None, conversations_paths: Path | list[Path], count: int | None,
+            val_fraction: float | None = None, seed: int = 0, whole_only: bool = False,
+            first_answer_tokens: int | None = None, tokenizer=None) -> list[dict]:
     paths = [conversations_paths] if isinstance(conversations_paths, Path) else conversations_paths
-    rows = [{"id": c["sample_id"], "messages": c["messages"]}
-            for path in paths for c in ingest.read_conversations(path) if c["sample_id"] in val]
+    every = [c for path in paths for c in ingest.read_conversations(path)]
+    if split_path is not None:
+        val = set(json.loads(split_path.read_text())["val"])
+    else:
+        val = {c["sample_id"] for c in every if consolidate.in_validation(c["sample_id"], val_fraction, seed)}
+    trained = {conversation_of(c["sample_id"]) for c in every if c["sample_id"] not in val}
+    rows = []
+    for c in every:
+        if c["sample_id"] not in val or (whole_only and conversation_of(c["sample_id"]) in trained):
+            continue
+        messages = c["messages"]
+        if first_answer_tokens is not None:
+            messages = first_answer(messages, first_answer_tokens, tokenizer)
+            if messages is None:
+                continue
+        rows.append({"id": c["sample_id"], "messages": messages})
     rows.sort(key=lambda row: hashlib.sha256(row["id"].encode()).hexdigest())
     return rows[:count] if count else rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--split", type=Path, required=True)
+    parser.add_argument("--split", type=Path, default=None, help="the run's consolidated/split.json")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="without --split: the run's consolidate.val_fraction (and --seed)")
+    parser.add_argument("--seed", type=int, default=0, help="the run's consolidate.seed")
+    parser.add_argument("--whole-only", action="store_true",
+                        help="only held-out parts whose ShareGPT conversation has no part in training")
+    parser.add_argument("--first-answer-tokens", type=int, default=None,
+                        help="keep the first user turn and this many tokens of its answer (needs --tokenizer)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="the target's directory")
     parser.add_argument("--conversations", type=Path, nargs="+", required=True,
                         help="conversations.jsonl, or a regenerated folder's shard-*.jsonl")
     parser.add_argument("--count", type=int, default=None)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    rows = heldout(args.split, args.conversations, args.count)
+    if (args.split is None) == (args.val_fraction is None):
+        parser.error("give --split or --val-fraction")
+    if (args.first_answer_tokens is None) != (args.tokenizer is None):
+        parser.error("--first-answer-tokens and --tokenizer go together")
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    rows = heldout(args.split, args.conversations, args.count, args.val_fraction, args.seed, args.whole_only,
+                   args.first_answer_tokens, tokenizer)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"{len(rows)} held-out conversations -> {args.out}")
     return 0

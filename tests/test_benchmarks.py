@@ -150,6 +150,41 @@ def test_heldout_eval_set_takes_the_splits_validation_conversations_in_a_fixed_o
     assert all(row["messages"][1]["content"] == "again" for row in regenerated)
 
 
+def test_heldout_eval_set_splits_as_consolidation_keeps_whole_conversations_and_cuts_first_answers(tmp_path, tiny_llama):
+    """Without split.json the split is consolidation's (in_validation); --whole-only drops held-out
+    parts whose conversation has a part in training; --first-answer-tokens keeps the first user
+    turn and its answer's first N tokens by the target's tokenizer."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import heldout_eval_set
+    from transformers import AutoTokenizer
+
+    from eaglenest.stages.consolidate import in_validation
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    answer = " ".join(f"word{k}" for k in range(60))
+    ids = [f"sharegpt:c{k}_{part}" for k in range(40) for part in range(3)]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "question"},
+                {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
+    (tmp_path / "conv.jsonl").write_text("".join(
+        json.dumps({"sample_id": i, "messages": messages}) + "\n" for i in ids))
+    val = {i for i in ids if in_validation(i, 0.3, 5)}
+    whole = {i for i in val if all(f"{i.rsplit('_', 1)[0]}_{p}" in val for p in range(3))}
+    assert val and whole < val  # both kinds of held-out part
+    out = tmp_path / "heldout.jsonl"
+    args = ["--conversations", str(tmp_path / "conv.jsonl"), "--val-fraction", "0.3", "--seed", "5", "--out", str(out)]
+    assert heldout_eval_set.main(args) == 0
+    assert {json.loads(line)["id"] for line in out.read_text().splitlines()} == val
+    assert heldout_eval_set.main([*args, "--whole-only", "--first-answer-tokens", "7", "--tokenizer", str(tiny_llama)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {row["id"] for row in rows} == whole
+    first = rows[0]["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant"] and first[0]["content"] == "question"
+    cut = tokenizer(answer, add_special_tokens=False)["input_ids"][:7]
+    assert first[1]["content"] == tokenizer.decode(cut) and answer.startswith(first[1]["content"].strip()[:10])
+    with pytest.raises(SystemExit):  # a split is given one way
+        heldout_eval_set.main(["--conversations", str(tmp_path / "conv.jsonl"), "--out", str(out)])
+
+
 def test_train_throughput_writes_every_sample_when_fewer_than_a_shard_holds(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
     import train_throughput
