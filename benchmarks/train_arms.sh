@@ -2,7 +2,10 @@
 # Several drafters trained at once on one GPU node, on the data of one run whose answered set is
 # already in place (results/<run>/regenerated/, carried from the node that regenerated it): the
 # data phase once, then the run's own drafter (the control) and one more per arm overlay, side by
-# side on the same hidden states (a small drafter's training leaves most of a GPU idle).
+# side on the same hidden states: one data phase and one disk's worth of hidden states for all.
+# Not faster: with train.compile a SmolLM2 drafter keeps an H100 busy alone (202k tokens/s), and
+# two side by side ran at 69k each, 395 s where one after the other takes about 310 s
+# (docs/results/h100-2026-12-07-greedy-arms/).
 #
 #   bash benchmarks/train_arms.sh OUTDIR CONFIG... -- ARM_OVERLAY...
 #
