@@ -73,7 +73,8 @@ def train_step(objective, head: TargetHead, batch: dict | None, local_tokens: fl
     Returns (per-step results, the global counts [positions per TTT step, tokens, the loss's
     normaliser per TTT step] as a device tensor, the gradient norm). ``short_context`` (tokens,
     weight) weighs positions of a short context (:func:`short_context_weights`); each step's CE
-    is then normalised by its positions' summed weight, not their number. ``mark(phase)`` is called as each phase is queued ("target head",
+    is then normalised by its positions' summed weight, not their number. ``mark(phase)`` is
+    called as each phase is queued ("target head",
     "forward", "backward", "clip", "optimizer", "end"): benchmarks/train_step_anatomy.py times
     the phases from it. ``after_backward()`` runs once the backward pass is queued
     (DeviceBatches.prefetch: the next batch's copy then runs beside clipping and the optimizer,
@@ -304,7 +305,7 @@ def run_steps(run: TrainingRun, log_stream=None, stop_after_steps: int | None = 
     length = settings["ttt_length"]
     decay_weights = [settings["decay"] ** j for j in range(length)]
     short_context = None
-    if settings.get("short_context_tokens", 0) > 0 and settings.get("short_context_weight", 1.0) != 1.0:
+    if settings["short_context_tokens"] > 0 and settings["short_context_weight"] != 1.0:
         short_context = (settings["short_context_tokens"], settings["short_context_weight"])
     loop_began = time.perf_counter()
     tokens_seen, steps_done = 0, 0
