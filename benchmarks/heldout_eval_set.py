@@ -17,6 +17,8 @@ conversation where consolidation puts it (eaglenest.stages.consolidate.in_valida
 other parts is among the training conversations. ``--first-answer-tokens N --tokenizer DIR``
 keeps each conversation's first user turn and the first N tokens of its answer (by the target's
 tokenizer): a position as the evaluator drafts it, a first answer with a short context.
+``--training`` takes the conversations consolidation trains on instead, the same way: set beside
+the held-out ones, they tell whether a drafter fits its own training data better than new data.
 """
 import argparse
 import hashlib
@@ -47,7 +49,7 @@ def first_answer(messages: list[dict], tokens: int, tokenizer) -> list[dict] | N
 
 def heldout(split_path: Path | None, conversations_paths: Path | list[Path], count: int | None,
             val_fraction: float | None = None, seed: int = 0, whole_only: bool = False,
-            first_answer_tokens: int | None = None, tokenizer=None) -> list[dict]:
+            first_answer_tokens: int | None = None, tokenizer=None, training: bool = False) -> list[dict]:
     paths = [conversations_paths] if isinstance(conversations_paths, Path) else conversations_paths
     every = [c for path in paths for c in ingest.read_conversations(path)]
     if split_path is not None:
@@ -57,7 +59,10 @@ def heldout(split_path: Path | None, conversations_paths: Path | list[Path], cou
     trained = {conversation_of(c["sample_id"]) for c in every if c["sample_id"] not in val}
     rows = []
     for c in every:
-        if c["sample_id"] not in val or (whole_only and conversation_of(c["sample_id"]) in trained):
+        if training:
+            if c["sample_id"] in val:
+                continue
+        elif c["sample_id"] not in val or (whole_only and conversation_of(c["sample_id"]) in trained):
             continue
         messages = c["messages"]
         if first_answer_tokens is not None:
@@ -77,6 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the run's consolidate.seed")
     parser.add_argument("--whole-only", action="store_true",
                         help="only held-out parts whose ShareGPT conversation has no part in training")
+    parser.add_argument("--training", action="store_true",
+                        help="the training conversations instead: how well a drafter fits what it learned on")
     parser.add_argument("--first-answer-tokens", type=int, default=None,
                         help="keep the first user turn and this many tokens of its answer (needs --tokenizer)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="the target's directory")
@@ -87,6 +94,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if (args.split is None) == (args.val_fraction is None):
         parser.error("give --split or --val-fraction")
+    if args.training and args.whole_only:
+        parser.error("--whole-only selects held-out conversations; --training takes the others")
     if (args.first_answer_tokens is None) != (args.tokenizer is None):
         parser.error("--first-answer-tokens and --tokenizer go together")
     tokenizer = None
@@ -95,9 +104,9 @@ def main(argv=None) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer))
     rows = heldout(args.split, args.conversations, args.count, args.val_fraction, args.seed, args.whole_only,
-                   args.first_answer_tokens, tokenizer)
+                   args.first_answer_tokens, tokenizer, args.training)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(f"{len(rows)} held-out conversations -> {args.out}")
+    print(f"{len(rows)} {'training' if args.training else 'held-out'} conversations -> {args.out}")
     return 0
 
 

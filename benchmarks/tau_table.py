@@ -1,7 +1,7 @@
 """τ per eval set and drafting setting for one or more evaluated runs, with bootstrap errors,
 and paired differences between runs evaluated on the same prompts.
 
-    python benchmarks/tau_table.py [--by-category] OUT.json results/<run>/evaluate [results/<run2>/evaluate ...]
+    python benchmarks/tau_table.py [--by-category] [--without-loops] OUT.json results/<run>/evaluate [results/<run2>/evaluate ...]
 
 τ of a job is its total tokens over its total cycles (metrics.json). Its standard error comes
 from resampling prompts (2,000 bootstrap draws, seed 0). With two or more runs, the difference
@@ -14,7 +14,10 @@ covers, and the paired differences use the prompts that every run has.
 
 ``--by-category`` gives a row per prompt category as well (MT-bench's writing, roleplay,
 reasoning, math, coding, extraction, STEM, humanities; ``category`` in each prompt's record),
-each with its own bootstrap over that category's prompts.
+each with its own bootstrap over that category's prompts. ``--without-loops`` gives a row of
+the prompts whose reference (the first run's ``<set>/reference/chunks``) does not fall into a loop
+of three copies (eaglenest.stages.regenerate.cut_loop, as regeneration cuts answers), whose
+repeated text a drafter predicts easily: τ on ordinary text.
 """
 import json
 import sys
@@ -44,6 +47,17 @@ def read_job(job_dir: Path) -> dict | None:
     return {**stats, "per_prompt": per_prompt, "method": parts[0].get("method", "decode"), "dtype": parts[0]["dtype"],
             "device": "+".join(sorted({part["device"] for part in parts})),
             "chunks_merged": [len(parts), parts[0]["chunk"][1]]}
+
+
+LOOP_COPIES = 3
+
+
+def looping_prompts(set_dir: Path) -> set[str]:
+    """Ids of the prompts whose reference answer ends in a loop of LOOP_COPIES copies."""
+    from eaglenest.stages.regenerate import cut_loop
+
+    return {p["id"] for chunk in set_dir.glob("reference/chunks/*.json") for p in json.loads(chunk.read_text())["per_prompt"]
+            if cut_loop(p["tokens"], LOOP_COPIES)[1]}
 
 
 def per_prompt(metrics: dict) -> dict[str, tuple[int, int]]:
@@ -77,7 +91,8 @@ def paired_row(names, jobs, traces, ids, rng) -> dict:
 
 def main(*args: str) -> None:
     by_category = "--by-category" in args
-    out, *evaluate_dirs = [a for a in args if a != "--by-category"]
+    without_loops = "--without-loops" in args
+    out, *evaluate_dirs = [a for a in args if a not in ("--by-category", "--without-loops")]
     runs = [Path(d) for d in evaluate_dirs]
     names = [d.parent.name for d in runs]
     rng = np.random.default_rng(0)
@@ -92,6 +107,12 @@ def main(*args: str) -> None:
         if not ids:  # partial jobs that share no prompt
             continue
         rows.append({"eval_set": eval_set, "drafting": drafting, **paired_row(names, jobs, traces, ids, rng)})
+        if without_loops:
+            if not any((runs[0] / eval_set).glob("reference/chunks/*.json")):
+                raise SystemExit(f"--without-loops: no reference chunks in {runs[0] / eval_set}/reference/chunks")
+            looping = looping_prompts(runs[0] / eval_set)
+            rows.append({"eval_set": eval_set, "drafting": drafting, "category": "no loop",
+                         **paired_row(names, jobs, traces, [i for i in ids if i not in looping], rng)})
         categories = {p["id"]: p.get("category") for p in jobs[0]["per_prompt"]}
         for category in sorted({categories[i] for i in ids if categories[i]}) if by_category else []:
             subset = [i for i in ids if categories[i] == category]

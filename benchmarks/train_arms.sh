@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Several drafters trained at once on one GPU node, on the data of one run whose answered set is
-# already in place (results/<run>/regenerated/, carried from the node that regenerated it): the
-# data phase once, then the run's own drafter (the control) and one more per arm overlay, side by
-# side on the same hidden states: one data phase and one disk's worth of hidden states for all.
-# Not faster: with train.compile a SmolLM2 drafter keeps an H100 busy alone (202k tokens/s), and
-# two side by side ran at 69k each, 395 s where one after the other takes about 310 s
-# (docs/results/h100-2026-12-07-greedy-arms/).
+# Several drafters trained on one GPU node, on the data of one run whose answered set is already
+# in place (results/<run>/regenerated/, carried from the node that regenerated it): the data phase
+# once, then the run's own drafter (the control) and one more per arm overlay on the same hidden
+# states: one data phase and one disk's worth of hidden states for all. The control trains first,
+# then each arm after it; SIDE_BY_SIDE=1 starts the arms beside the control instead, which pays
+# only where one training leaves the GPU idle: with train.compile a SmolLM2 drafter keeps an H100
+# busy alone (202k tokens/s), and two side by side ran at 69k each, 395 s where one after the
+# other takes about 310 s (docs/results/h100-2026-12-07-greedy-arms/).
 #
 #   bash benchmarks/train_arms.sh OUTDIR CONFIG... -- ARM_OVERLAY...
 #
@@ -17,7 +18,7 @@
 # missing input of the allowed jobs is an error, not a regeneration. The control trains in the
 # run's directory (RUN_ROOT, default this checkout: results/<run>/train, export).
 # Knobs: RUN_ROOT, CORES (the data phase's, default all), ARM_CORES (each training's Snakemake, 5),
-# SNAKEMAKE (as benchmarks/h200_steps.sh picks it), DRY_RUN=1 (the plans only).
+# SNAKEMAKE (as benchmarks/h200_steps.sh picks it), SIDE_BY_SIDE=1, DRY_RUN=1 (the plans only).
 # Writes OUTDIR/arms.log (each step), OUTDIR/times.tsv (name, wall seconds, exit status), one
 # log per step in OUTDIR, OUTDIR/DATA_DONE after the data phase and OUTDIR/DONE with the exit
 # status (0 when every drafter is exported).
@@ -70,16 +71,21 @@ fi
 step data $SM "${AT[@]}" "${DRY[@]}" --cores "${CORES:-$(nproc)}" "results/$RUN/consolidated/index.json" --configfile "${CONFIGS[@]}" ||
   { echo 1 >"$OUT/DONE"; exit 1; }
 touch "$OUT/DATA_DONE"
-pids=()
-for arm in "${ARMS[@]}"; do
-  name=$(basename "$arm" .yaml)
+train_arm() { # overlay: one arm in OUTDIR/arm-<name>/
   RUN_ROOT="$ROOT" READY="$OUT/DATA_DONE" TARGET="results/$RUN/export/export_report.json" CORES="${ARM_CORES:-5}" SNAKEMAKE="$SM" \
-    step "arm-$name" bash benchmarks/train_beside.sh "$OUT/arm-$name" "${CONFIGS[@]}" "$arm" &
-  pids+=($!)
-done
+    step "arm-$(basename "$1" .yaml)" bash benchmarks/train_beside.sh "$OUT/arm-$(basename "$1" .yaml)" "${CONFIGS[@]}" "$1"
+}
+pids=()
+if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+  for arm in "${ARMS[@]}"; do train_arm "$arm" & pids+=($!); done
+fi
 step control $SM "${AT[@]}" "${DRY[@]}" --cores "${ARM_CORES:-5}" "results/$RUN/export/export_report.json" --configfile "${CONFIGS[@]}"
 rc=$?
-for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+else
+  for arm in "${ARMS[@]}"; do train_arm "$arm" || rc=1; done
+fi
 echo "$rc" >"$OUT/DONE"
 note "done rc=$rc"
 exit "$rc"

@@ -91,6 +91,17 @@ def test_tau_table_pairs_runs_over_the_prompts_both_have_and_says_when_chunks_ar
     assert rows[0]["runs"]["first"]["tau"] == row["runs"]["first"]["tau"]
     assert rows[1]["prompts"] == rows[2]["prompts"] == 1
     assert rows[1]["runs"]["first"]["tau"] == (1 + 1 + 2) / 2 and rows[2]["runs"]["second"]["tau"] == (3 + 0 + 2) / 2
+    # --without-loops: refused without the first run's references; with them, a row of the
+    # prompts whose reference does not fall into three copies of a span (a's does: 5..10 three times).
+    with pytest.raises(SystemExit, match="no reference chunks"):
+        tau_table.main("--without-loops", str(out), str(first), str(second))
+    (first / "mt_bench" / "reference" / "chunks").mkdir(parents=True)
+    (first / "mt_bench" / "reference" / "chunks" / "0.json").write_text(json.dumps({"per_prompt": [
+        {"id": "a", "tokens": [1, 2] + [5, 6, 7, 8, 9, 10] * 3}, {"id": "b", "tokens": list(range(1, 21))}]}))
+    tau_table.main("--without-loops", str(out), str(first), str(second))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r.get("category") for r in rows] == [None, "no loop"] and rows[1]["prompts"] == 1
+    assert rows[1]["runs"]["first"]["tau"] == (1 + 1 + 2) / 2  # b alone
 
 
 def test_same_references_finds_every_trace_equal_and_fails_on_one_that_differs(tmp_path):
@@ -181,6 +192,12 @@ def test_heldout_eval_set_splits_as_consolidation_keeps_whole_conversations_and_
     assert [m["role"] for m in first] == ["user", "assistant"] and first[0]["content"] == "question"
     cut = tokenizer(answer, add_special_tokens=False)["input_ids"][:7]
     assert first[1]["content"] == tokenizer.decode(cut) and answer.startswith(first[1]["content"].strip()[:10])
+    # --training takes every conversation consolidation trains on, cut the same way.
+    assert heldout_eval_set.main([*args, "--training", "--first-answer-tokens", "7", "--tokenizer", str(tiny_llama)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {row["id"] for row in rows} == set(ids) - val and rows[0]["messages"][1]["content"] == tokenizer.decode(cut)
+    with pytest.raises(SystemExit):  # --whole-only is a held-out selection
+        heldout_eval_set.main([*args, "--training", "--whole-only"])
     with pytest.raises(SystemExit):  # a split is given one way
         heldout_eval_set.main(["--conversations", str(tmp_path / "conv.jsonl"), "--out", str(out)])
 

@@ -227,10 +227,12 @@ def test_a_drafter_trained_beside_a_run_reuses_its_data_and_leaves_the_run_alone
     assert (hidden_dir(workdir) / ".eaglenest-hidden-states").exists()
 
 
-def test_arms_train_side_by_side_on_the_data_in_place_without_remaking_what_made_it(finished_run, tmp_path):
-    """benchmarks/train_arms.sh: the run's drafter and an arm trained at once on the data in
-    place. Its source is newer than the ingested conversations, so a plain rerun would ingest and
-    prepare again; the arms' Snakemake allows neither and reads what is there."""
+@pytest.mark.parametrize("side_by_side", ["0", "1"])
+def test_arms_train_on_the_data_in_place_without_remaking_what_made_it(finished_run, tmp_path, side_by_side):
+    """benchmarks/train_arms.sh: the run's drafter and an arm trained on the data in place, one
+    after the other or (SIDE_BY_SIDE=1) at once. Its source is newer than the ingested
+    conversations, so a plain rerun would ingest and prepare again; the arms' Snakemake allows
+    neither and reads what is there."""
     import sys
 
     source, _ = finished_run
@@ -250,7 +252,7 @@ def test_arms_train_side_by_side_on_the_data_in_place_without_remaking_what_made
     arm.write_text("train:\n  lr: 0.001\n")
     out = tmp_path / "arms"
     env = {**os.environ, "RUN_ROOT": str(workdir), "CORES": "2", "ARM_CORES": "1",
-           "SNAKEMAKE": f"{sys.executable} -m snakemake"}
+           "SNAKEMAKE": f"{sys.executable} -m snakemake", "SIDE_BY_SIDE": side_by_side}
     data = tmp_path / "data.yaml"
     data.write_text("data:\n  max_len: 200\n")
     refused = subprocess.run(["bash", str(REPO / "benchmarks" / "train_arms.sh"), str(tmp_path / "refused"), str(config),
@@ -261,7 +263,12 @@ def test_arms_train_side_by_side_on_the_data_in_place_without_remaking_what_made
     log = (out / "arms.log").read_text()
     assert result.returncode == 0 and (out / "DONE").read_text().strip() == "0", log + result.stderr[-3000:]
     assert [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()][0] == "data"
-    assert {"control", "arm-lr"} <= {line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()}
+    steps = [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()]
+    assert sorted(steps[1:]) == ["arm-lr", "control"]
+    if side_by_side == "0":  # the arm starts once the control has ended
+        assert steps[1:] == ["control", "arm-lr"] and log.index("end control") < log.index("start arm-lr")
+    else:  # the arm starts before the control ends
+        assert log.index("start arm-lr") < log.index("end control")
     assert "Nothing to be done" in (out / "data.log").read_text()
     control = workdir / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
     arm_weights = out / "arm-lr" / "results" / "tiny" / "train" / "drafter" / "model.safetensors"
