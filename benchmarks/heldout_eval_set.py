@@ -59,10 +59,8 @@ def heldout(split_path: Path | None, conversations_paths: Path | list[Path], cou
     trained = {conversation_of(c["sample_id"]) for c in every if c["sample_id"] not in val}
     rows = []
     for c in every:
-        if training:
-            if c["sample_id"] in val:
-                continue
-        elif c["sample_id"] not in val or (whole_only and conversation_of(c["sample_id"]) in trained):
+        # the side of the split asked for (held out, or with --training the other one)
+        if (c["sample_id"] in val) == training or (whole_only and conversation_of(c["sample_id"]) in trained):
             continue
         messages = c["messages"]
         if first_answer_tokens is not None:

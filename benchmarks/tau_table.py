@@ -97,6 +97,7 @@ def main(*args: str) -> None:
     names = [d.parent.name for d in runs]
     rng = np.random.default_rng(0)
     rows = []
+    looping: dict[str, set[str]] = {}  # eval set -> ids of the prompts whose reference loops
     for job_dir in sorted(d for d in runs[0].glob("*/steps*") if d.is_dir()):
         eval_set, drafting = job_dir.parts[-2], job_dir.parts[-1]
         jobs = [job for job in (read_job(run / eval_set / drafting) for run in runs) if job is not None]
@@ -108,11 +109,12 @@ def main(*args: str) -> None:
             continue
         rows.append({"eval_set": eval_set, "drafting": drafting, **paired_row(names, jobs, traces, ids, rng)})
         if without_loops:
-            if not any((runs[0] / eval_set).glob("reference/chunks/*.json")):
-                raise SystemExit(f"--without-loops: no reference chunks in {runs[0] / eval_set}/reference/chunks")
-            looping = looping_prompts(runs[0] / eval_set)
+            if eval_set not in looping:  # one read of a set's references for all its jobs
+                if not any((runs[0] / eval_set).glob("reference/chunks/*.json")):
+                    raise SystemExit(f"--without-loops: no reference chunks in {runs[0] / eval_set}/reference/chunks")
+                looping[eval_set] = looping_prompts(runs[0] / eval_set)
             rows.append({"eval_set": eval_set, "drafting": drafting, "category": "no loop",
-                         **paired_row(names, jobs, traces, [i for i in ids if i not in looping], rng)})
+                         **paired_row(names, jobs, traces, [i for i in ids if i not in looping[eval_set]], rng)})
         categories = {p["id"]: p.get("category") for p in jobs[0]["per_prompt"]}
         for category in sorted({categories[i] for i in ids if categories[i]}) if by_category else []:
             subset = [i for i in ids if categories[i] == category]
