@@ -56,7 +56,10 @@ def looping_prompts(set_dir: Path) -> set[str]:
     """Ids of the prompts whose reference answer ends in a loop of LOOP_COPIES copies."""
     from eaglenest.stages.regenerate import cut_loop
 
-    return {p["id"] for chunk in set_dir.glob("reference/chunks/*.json") for p in json.loads(chunk.read_text())["per_prompt"]
+    chunks = sorted(set_dir.glob("reference/chunks/*.json"))
+    if not chunks:
+        raise SystemExit(f"--without-loops: no reference chunks in {set_dir}/reference/chunks")
+    return {p["id"] for chunk in chunks for p in json.loads(chunk.read_text())["per_prompt"]
             if cut_loop(p["tokens"], LOOP_COPIES)[1]}
 
 
@@ -110,8 +113,6 @@ def main(*args: str) -> None:
         rows.append({"eval_set": eval_set, "drafting": drafting, **paired_row(names, jobs, traces, ids, rng)})
         if without_loops:
             if eval_set not in looping:  # one read of a set's references for all its jobs
-                if not any((runs[0] / eval_set).glob("reference/chunks/*.json")):
-                    raise SystemExit(f"--without-loops: no reference chunks in {runs[0] / eval_set}/reference/chunks")
                 looping[eval_set] = looping_prompts(runs[0] / eval_set)
             rows.append({"eval_set": eval_set, "drafting": drafting, "category": "no loop",
                          **paired_row(names, jobs, traces, [i for i in ids if i not in looping[eval_set]], rng)})

@@ -72,8 +72,10 @@ step data $SM "${AT[@]}" "${DRY[@]}" --cores "${CORES:-$(nproc)}" "results/$RUN/
   { echo 1 >"$OUT/DONE"; exit 1; }
 touch "$OUT/DATA_DONE"
 train_arm() { # overlay: one arm in OUTDIR/arm-<name>/
+  local name
+  name=$(basename "$1" .yaml)
   RUN_ROOT="$ROOT" READY="$OUT/DATA_DONE" TARGET="results/$RUN/export/export_report.json" CORES="${ARM_CORES:-5}" SNAKEMAKE="$SM" \
-    step "arm-$(basename "$1" .yaml)" bash benchmarks/train_beside.sh "$OUT/arm-$(basename "$1" .yaml)" "${CONFIGS[@]}" "$1"
+    step "arm-$name" bash benchmarks/train_beside.sh "$OUT/arm-$name" "${CONFIGS[@]}" "$1"
 }
 pids=()
 if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
